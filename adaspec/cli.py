@@ -1,0 +1,133 @@
+"""The operator CLI: `adaspec <command>`.
+
+  prepare-models              install and convert the embedded models (idempotent)
+  serve [CONFIG]              check a Serve config, then `serve run` it (default configs/app.yaml)
+  status  --url URL [--json]  per replica: policy, batch sizes, acceptance, step time
+  policy set --url URL --table "1-2:chain4,3-8:chain2,9+:off"   push a policy to every replica
+  policy show --url URL       the policy in force on every replica
+
+Every command that prints a table also prints JSON with --json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+from adaspec import admin_client
+from adaspec.models import EMBEDDED_MODELS, ModelError, model_folder, prepare_model
+from adaspec.policy import PolicyError, SpecPolicy
+from adaspec.serve_config import ConfigError
+
+
+def _cmd_prepare_models(args: argparse.Namespace) -> int:
+    names = args.names or sorted(EMBEDDED_MODELS)
+    results = {}
+    for name in names:
+        start = time.perf_counter()
+        folder = prepare_model(name, force=args.force)
+        results[name] = {"folder": str(folder), "seconds": round(time.perf_counter() - start, 1)}
+        if not args.json:
+            print(f"{name}: {folder} ({results[name]['seconds']} s)")
+    if args.json:
+        print(json.dumps(results, indent=2))
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from adaspec.serve_config import check_serve_config
+
+    check_serve_config(args.config)  # fail fast, naming the field; `serve run` would retry
+    serve = os.path.join(os.path.dirname(sys.executable), "serve")
+    os.execv(serve, [serve, "run", args.config])
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    reports = admin_client.status(args.url, token=args.token)
+    if args.json:
+        print(json.dumps([r.model_dump(mode="json") for r in reports], indent=2))
+    else:
+        print(admin_client.format_status(reports))
+    return 0
+
+
+def _cmd_policy_set(args: argparse.Namespace) -> int:
+    SpecPolicy.parse(args.table)  # fail here, naming the problem, before any request
+    acks = admin_client.set_policy(args.url, args.table, token=args.token, version=args.version)
+    if args.json:
+        print(json.dumps([a.model_dump(mode="json") for a in acks], indent=2))
+    else:
+        for a in acks:
+            extra = f" ({a.message})" if a.message else ""
+            print(f"replica {a.replica_id}: {a.status}; in force v{a.version_in_force}: {a.policy_in_force}{extra}")
+    return 0 if all(a.status == "applied" for a in acks) else 1
+
+
+def _cmd_policy_show(args: argparse.Namespace) -> int:
+    reports = admin_client.status(args.url, token=args.token)
+    rows = {r.replica_id: {"version": r.policy.version, "policy": str(r.policy)} for r in reports}
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        for rid, row in rows.items():
+            print(f"replica {rid}: v{row['version']} {row['policy']}")
+    return 0
+
+
+def _add_url(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default=os.environ.get("ADASPEC_URL", "http://127.0.0.1:8000"),
+                   help="adaspec HTTP endpoint (default $ADASPEC_URL or http://127.0.0.1:8000)")
+    p.add_argument("--token", default=os.environ.get("ADASPEC_ADMIN_TOKEN"),
+                   help="admin bearer token (default $ADASPEC_ADMIN_TOKEN)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="adaspec", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("prepare-models", help="install and convert the embedded models")
+    p.add_argument("names", nargs="*", help=f"models to prepare (default all: {sorted(EMBEDDED_MODELS)})")
+    p.add_argument("--force", action="store_true", help="rebuild even if already prepared")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_prepare_models)
+
+    p = sub.add_parser("serve", help="check a Serve config and run it with `serve run`")
+    p.add_argument("config", nargs="?", default="configs/app.yaml", help="Ray Serve config file")
+    p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser("status", help="per-replica policy, acceptance and step time")
+    _add_url(p)
+    p.set_defaults(func=_cmd_status)
+
+    policy = sub.add_parser("policy", help="show or set the speculation policy").add_subparsers(
+        dest="policy_command", required=True)
+    p = policy.add_parser("set", help="push a policy table to every replica")
+    _add_url(p)
+    p.add_argument("--table", required=True, help='e.g. "1-2:chain4,3-8:chain2,9+:off" or "off"')
+    p.add_argument("--version", type=int, default=None, help="policy version (default: now in ms)")
+    p.set_defaults(func=_cmd_policy_set)
+    p = policy.add_parser("show", help="the policy in force on every replica")
+    _add_url(p)
+    p.set_defaults(func=_cmd_policy_show)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ModelError, PolicyError, ConfigError, admin_client.AdminError) as e:
+        print(f"adaspec: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

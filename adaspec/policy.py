@@ -1,0 +1,215 @@
+"""Speculation configs and policies: what the controller sends down to a replica.
+
+Terms
+- `SpecConfig`: how much to speculate in one engine step. A token tree written as its
+  widths per depth: `()` is no speculation (`off`), `(1, 1, 1, 1)` is a chain of k=4 draft
+  tokens (`chain4`), `(4, 2, 2, 1)` a tree whose root has 4 children, each of those 2, ...
+  (`tree4x2x2x1`). A chain is a tree of width 1.
+- `SpecPolicy`: a versioned table batch-size range -> SpecConfig covering every batch size
+  the engine can run. A replica looks the running batch size up in it at every step.
+
+The text syntax (CLI and config files): `1-2:chain4,3-8:chain2,9+:off`; `lo-hi` is an
+inclusive range, `lo+` is open-ended. The table is compiled once into a dense list indexed
+by batch size (as vLLM does for `num_speculative_tokens_per_batch_size`) so the hot path
+is one list lookup.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# An open-ended range ends here; larger than any engine's max_num_seqs.
+OPEN_END = 1 << 20
+
+_CONFIG_RE = re.compile(r"^(off|chain(\d+)|tree(\d+(?:x\d+)*))$")
+
+
+class PolicyError(ValueError):
+    """A speculation config or policy that is malformed or that the engine cannot run."""
+
+
+class SpecConfig(BaseModel):
+    """How much to speculate in one step: token-tree widths per depth (empty = off)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    widths: tuple[Annotated[int, Field(ge=1)], ...] = Field(
+        default=(), description="children per node at each depth; () = off, all 1 = chain"
+    )
+
+    @classmethod
+    def off(cls) -> SpecConfig:
+        return cls(widths=())
+
+    @classmethod
+    def chain(cls, k: int) -> SpecConfig:
+        if k < 0:
+            raise PolicyError(f"chain length must be >= 0, got {k}")
+        return cls(widths=(1,) * k)
+
+    @classmethod
+    def tree(cls, widths: tuple[int, ...] | list[int]) -> SpecConfig:
+        return cls(widths=tuple(widths))
+
+    @classmethod
+    def parse(cls, text: str) -> SpecConfig:
+        """Parse `off`, `chainK` or `treeW1xW2x...` (case-insensitive)."""
+        m = _CONFIG_RE.match(text.strip().lower())
+        if m is None:
+            raise PolicyError(f"bad speculation config {text!r}: expected off, chainK or treeAxBx...")
+        if m.group(2) is not None:
+            return cls.chain(int(m.group(2)))
+        if m.group(3) is not None:
+            widths = tuple(int(w) for w in m.group(3).split("x"))
+            if any(w < 1 for w in widths):
+                raise PolicyError(f"bad tree {text!r}: every width must be >= 1")
+            return cls.tree(widths)
+        return cls.off()
+
+    @property
+    def depth(self) -> int:
+        """Draft tokens along the longest path (= draft passes); k for a chain."""
+        return len(self.widths)
+
+    @property
+    def is_off(self) -> bool:
+        return not self.widths
+
+    @property
+    def is_chain(self) -> bool:
+        return all(w == 1 for w in self.widths)
+
+    @property
+    def num_nodes(self) -> int:
+        """Draft tokens verified per sequence (tree nodes, root excluded)."""
+        total, level = 0, 1
+        for w in self.widths:
+            level *= w
+            total += level
+        return total
+
+    def __str__(self) -> str:
+        if self.is_off:
+            return "off"
+        if self.is_chain:
+            return f"chain{self.depth}"
+        return "tree" + "x".join(str(w) for w in self.widths)
+
+
+class PolicyRule(BaseModel):
+    """Batch sizes batch_lo..batch_hi (inclusive, requests) run `config`."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    batch_lo: int = Field(ge=1)
+    batch_hi: int = Field(ge=1)
+    config: SpecConfig
+
+    @model_validator(mode="after")
+    def _ordered(self) -> PolicyRule:
+        if self.batch_hi < self.batch_lo:
+            raise ValueError(f"batch range {self.batch_lo}-{self.batch_hi} is empty")
+        return self
+
+
+class SpecPolicy(BaseModel):
+    """A versioned table batch-size range -> SpecConfig, built by the controller or a user.
+
+    Rules are sorted, contiguous, start at batch size 1, and do not overlap; whether they
+    reach the engine's largest batch is checked against the engine (`check_engine`).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    version: int = Field(ge=0, description="monotone; a replica ignores versions older than its own")
+    replica_id: str | None = Field(default=None, description="the replica it was built for; None = any")
+    rules: tuple[PolicyRule, ...] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _contiguous(self) -> SpecPolicy:
+        expected_lo = 1
+        for rule in self.rules:
+            if rule.batch_lo != expected_lo:
+                raise ValueError(
+                    f"rules must be contiguous from batch size 1: expected a rule starting at "
+                    f"{expected_lo}, got {rule.batch_lo}-{rule.batch_hi}"
+                )
+            expected_lo = rule.batch_hi + 1
+        return self
+
+    @classmethod
+    def uniform(cls, config: SpecConfig, version: int = 0) -> SpecPolicy:
+        return cls(version=version, rules=(PolicyRule(batch_lo=1, batch_hi=OPEN_END, config=config),))
+
+    @classmethod
+    def parse(cls, table: str, version: int = 0, replica_id: str | None = None) -> SpecPolicy:
+        """Parse `1-2:chain4,3-8:chain2,9+:off`; a bare config (`chain4`) covers all sizes."""
+        table = table.strip()
+        if ":" not in table:
+            return cls.uniform(SpecConfig.parse(table), version=version)
+        rules = []
+        try:
+            for part in table.split(","):
+                rng, sep, cfg = part.strip().partition(":")
+                m = re.fullmatch(r"(\d+)(?:-(\d+)|(\+))", rng.strip())
+                if not sep or m is None:
+                    raise PolicyError(f"bad policy entry {part.strip()!r}: expected LO-HI:CONFIG or LO+:CONFIG")
+                lo = int(m.group(1))
+                hi = OPEN_END if m.group(3) else int(m.group(2))
+                rules.append(PolicyRule(batch_lo=lo, batch_hi=hi, config=SpecConfig.parse(cfg)))
+            return cls(version=version, replica_id=replica_id, rules=tuple(rules))
+        except PolicyError:
+            raise
+        except ValueError as e:  # pydantic's ValidationError
+            raise PolicyError(f"bad policy {table!r}: {e}") from None
+
+    def config_for(self, batch_size: int) -> SpecConfig:
+        for rule in self.rules:
+            if rule.batch_lo <= batch_size <= rule.batch_hi:
+                return rule.config
+        return self.rules[-1].config
+
+    @property
+    def max_depth(self) -> int:
+        return max(rule.config.depth for rule in self.rules)
+
+    def check_engine(self, max_batch_size: int, max_k: int, supports_trees: bool) -> None:
+        """Raise PolicyError unless an engine with these capabilities can run this policy."""
+        if self.rules[-1].batch_hi < max_batch_size:
+            raise PolicyError(
+                f"policy covers batch sizes up to {self.rules[-1].batch_hi}, "
+                f"but the engine runs up to {max_batch_size}"
+            )
+        for rule in self.rules:
+            cfg = rule.config
+            if not supports_trees and not cfg.is_chain:
+                raise PolicyError(f"{cfg} is a tree; this engine runs chains only")
+            if cfg.depth > max_k:
+                raise PolicyError(f"{cfg} drafts {cfg.depth} tokens; this engine was started with k <= {max_k}")
+
+    def compile(self, max_batch_size: int) -> list[SpecConfig]:
+        """Dense lookup: result[b] is the config for batch size b (index 0 unused)."""
+        table = [self.rules[0].config] * (max_batch_size + 1)
+        for rule in self.rules:
+            for b in range(rule.batch_lo, min(rule.batch_hi, max_batch_size) + 1):
+                table[b] = rule.config
+        return table
+
+    def to_vllm_table(self, max_batch_size: int) -> list[list[int]]:
+        """vLLM's `num_speculative_tokens_per_batch_size`: [[lo, hi, k], ...] (chains only)."""
+        return [
+            [r.batch_lo, min(r.batch_hi, max_batch_size), r.config.depth]
+            for r in self.rules
+            if r.batch_lo <= max_batch_size
+        ]
+
+    def __str__(self) -> str:
+        parts = []
+        for r in self.rules:
+            rng = f"{r.batch_lo}+" if r.batch_hi >= OPEN_END else f"{r.batch_lo}-{r.batch_hi}"
+            parts.append(f"{rng}:{r.config}")
+        return ",".join(parts)
+

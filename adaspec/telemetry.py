@@ -1,0 +1,122 @@
+"""Telemetry: what a replica measures and sends up to the controller and the operator.
+
+- `StepRecord`: one engine step. Built in the engine's hot loop, so it is a plain slotted
+  dataclass (cheap to create); pydantic validates it when a `ReplicaTelemetry` is parsed.
+- `ReplicaTelemetry`: a replica's window of steps plus its load (arrivals, queue).
+
+Acceptance terms (Leviathan et al. 2023; vLLM's spec-decode metrics):
+- drafted[i]: sequences in the step that had a draft token at position i (0-based).
+- accepted[i]: sequences whose draft token at position i was accepted (so were 0..i-1).
+- conditional acceptance at position i: accepted[i] / accepted[i-1] (accepted[-1] = drafts).
+- accepted length: tokens a sequence gains per verify step, the bonus token included,
+  i.e. 1 + accepted draft tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from adaspec.policy import SpecPolicy
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """One engine step (schedule + forward + verify), as measured inside the engine."""
+
+    time: float  # unix seconds at the end of the step
+    duration_s: float  # seconds from schedule() to the processed output
+    batch_size: int  # requests scheduled in the step (prefill and decode)
+    num_decode_reqs: int  # of those, requests decoding (verifying drafts or not)
+    scheduled_tokens: int  # tokens run through the target model
+    prefill_tokens: int  # of those, prompt tokens
+    context_tokens: int  # KV tokens the scheduled requests held before the step
+    config: str  # SpecConfig in force for this batch size (decides the next drafts)
+    policy_version: int
+    num_drafts: int = 0  # sequences that verified draft tokens in this step
+    drafted_per_pos: list[int] = field(default_factory=list)  # [position] -> sequences
+    accepted_per_pos: list[int] = field(default_factory=list)  # [position] -> sequences
+
+
+class EngineCapabilities(BaseModel):
+    """What policies an engine can run; a policy is validated against this."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    engine: Literal["vllm", "native"]
+    max_batch_size: int = Field(description="largest batch the engine schedules (requests)")
+    max_k: int = Field(description="deepest speculation the engine was started for (tokens)")
+    supports_trees: bool
+    draft_method: str = Field(description="ngram | draft_model | ...")
+
+
+class ReplicaTelemetry(BaseModel):
+    """A replica's report for one window [window_start, window_end] (unix seconds)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    replica_id: str
+    capabilities: EngineCapabilities
+    window_start: float
+    window_end: float
+    arrivals: int = Field(description="requests accepted by the replica in the window")
+    finished: int = Field(description="requests completed in the window")
+    queue_length: int = Field(description="requests waiting for the engine now")
+    running: int = Field(description="requests in the engine's running batch now")
+    policy: SpecPolicy
+    steps: list[StepRecord]
+
+    @property
+    def arrival_rate(self) -> float:
+        """Requests per second over the window."""
+        span = max(self.window_end - self.window_start, 1e-9)
+        return self.arrivals / span
+
+
+class AcceptanceSummary(BaseModel):
+    """Acceptance over a set of steps (plain counts, no decay)."""
+
+    num_drafts: int
+    drafted_per_pos: list[int]
+    accepted_per_pos: list[int]
+
+    @property
+    def conditional_rate_per_pos(self) -> list[float]:
+        """P(accept position i | positions < i accepted), per position."""
+        rates, prev = [], self.num_drafts
+        for acc in self.accepted_per_pos:
+            rates.append(acc / prev if prev else 0.0)
+            prev = acc
+        return rates
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens / drafted tokens."""
+        drafted = sum(self.drafted_per_pos)
+        return sum(self.accepted_per_pos) / drafted if drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens gained per sequence per verify step, bonus token included."""
+        return 1.0 + sum(self.accepted_per_pos) / self.num_drafts if self.num_drafts else 1.0
+
+
+def _add_into(total: list[int], counts: list[int]) -> None:
+    if len(total) < len(counts):
+        total.extend([0] * (len(counts) - len(total)))
+    for i, c in enumerate(counts):
+        total[i] += c
+
+
+def summarize_acceptance(steps: list[StepRecord]) -> AcceptanceSummary:
+    drafted: list[int] = []
+    accepted: list[int] = []
+    drafts = 0
+    for s in steps:
+        drafts += s.num_drafts
+        _add_into(drafted, s.drafted_per_pos)
+        _add_into(accepted, s.accepted_per_pos)
+    accepted.extend([0] * (len(drafted) - len(accepted)))
+    return AcceptanceSummary(num_drafts=drafts, drafted_per_pos=drafted, accepted_per_pos=accepted)

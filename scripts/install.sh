@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Create .venv with adaspec, the CPU vLLM engine and the test tools, then prepare the
+# embedded model. Idempotent: a second run with an unchanged lock file does nothing.
+#   PYTHON=python3.11 VENV=.venv scripts/install.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3.11}
+VENV=${VENV:-.venv}
+LOCK=requirements/cpu-lock.txt
+# torch 2.13.0+cpu is not on PyPI; PyTorch's CPU index has it. Machines whose pip already
+# finds it locally (a wheel folder, a mirror) do without the index.
+TORCH_INDEX=${TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
+
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip)
+stamp="$VENV/.adaspec-installed"
+want=$(cat pyproject.toml "$LOCK" | sha256sum | cut -d' ' -f1)
+
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  start=$(date +%s)
+  echo "[install] installing adaspec[cpu,test] into $VENV (a few minutes the first time)"
+  "${PIP[@]}" install --quiet --upgrade pip
+  index=()
+  if curl -s -m 5 -o /dev/null "$TORCH_INDEX/torch/"; then index=(--extra-index-url "$TORCH_INDEX"); fi
+  "${PIP[@]}" install --quiet -e ".[cpu,test]" -c "$LOCK" "${index[@]}"
+  # PyPI's torchvision/torchaudio/torchcodec, pulled in beside torch 2.13.0+cpu, break
+  # `import transformers` and `import vllm` (operator torchvision::nms does not exist).
+  "${PIP[@]}" uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+  "$VENV/bin/python" -c "import vllm, transformers, xgboost, ray.serve.llm" 2>/dev/null \
+    || { echo "[install] import check failed"; exit 1; }
+  echo "$want" > "$stamp"
+  echo "[install] done in $(( $(date +%s) - start )) s"
+fi
+
+"$VENV/bin/adaspec" prepare-models

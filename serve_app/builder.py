@@ -1,0 +1,107 @@
+"""Build the Ray Serve application from an `AppConfig` (`import_path: serve_app:build_app`).
+
+The graph: AdaspecIngress (OpenAI API + admin) -> SpecReplica x num_replicas, each hosting
+a vLLM engine whose scheduler is adaspec's. Built on ray.serve.llm: its LLMConfig carries
+the engine arguments and placement-group bundles (one bundle per tensor-parallel GPU), its
+`build_llm_deployment` makes the replica deployment.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ray import serve
+from ray.llm._internal.serve.core.configs.openai_api_models import to_model_metadata
+from ray.llm._internal.serve.core.ingress.ingress import make_fastapi_ingress
+from ray.serve.deployment import Application
+from ray.serve.llm import LLMConfig, build_llm_deployment
+
+from adaspec.models import resolve_model
+from adaspec.serve_config import check_models
+from serve_app.config import AppConfig
+from serve_app.ingress import ENDPOINTS, AdaspecIngress
+from serve_app.replica import ReplicaSettings, SpecReplica
+from serve_app.vllm_engine import SCHEDULER_CLS
+
+
+def speculative_config(cfg: AppConfig) -> dict[str, Any]:
+    """vLLM's `speculative_config`, started at max_k with the initial policy as its table."""
+    spec = cfg.speculation
+    out: dict[str, Any] = {
+        "method": spec.method,
+        "num_speculative_tokens": spec.max_k,
+        # Must be set at start: without it vLLM pads every decode to max_k and ignores
+        # the lookup list that AdaspecScheduler replaces live.
+        "num_speculative_tokens_per_batch_size": spec.initial_policy().to_vllm_table(cfg.max_num_seqs),
+    }
+    if spec.method == "ngram":
+        out["prompt_lookup_min"] = spec.prompt_lookup_min
+        out["prompt_lookup_max"] = spec.prompt_lookup_max
+    else:
+        out["model"] = resolve_model(spec.draft_model)
+    return out
+
+
+def llm_config(cfg: AppConfig) -> LLMConfig:
+    """The ray.serve.llm LLMConfig for one replica deployment of `cfg`."""
+    on_cpu = cfg.accelerator == "cpu"
+    engine_kwargs = {
+        **cfg.engine_kwargs,
+        "max_model_len": cfg.max_model_len,
+        "max_num_seqs": cfg.max_num_seqs,
+        "dtype": "float32" if on_cpu and cfg.dtype == "auto" else cfg.dtype,
+        "tensor_parallel_size": cfg.tensor_parallel_size,
+        "disable_log_stats": False,  # the scheduler's spec-decode stats need it
+        "scheduler_cls": SCHEDULER_CLS,
+        "speculative_config": speculative_config(cfg),
+    }
+    kv_gib = cfg.kv_cache_gib or (1.0 if on_cpu else None)
+    if kv_gib is not None:
+        # An explicit size: vLLM's CPU default (a share of the NUMA node's RAM, minus what
+        # the process already holds) fails on small machines.
+        engine_kwargs["kv_cache_memory_bytes"] = int(kv_gib * 2**30)
+    if on_cpu:
+        threads = cfg.cpu_threads or os.cpu_count() or 1
+        extra = {
+            "accelerator_config": {"kind": "cpu"},
+            # One CPU slot for the engine; the replica actor itself takes none, so the
+            # app (ingress 0, replica 1, controller 0) starts on a 2-core machine.
+            "placement_group_config": {"bundles": [{"CPU": 1}]},
+            "deployment_config": {"num_replicas": cfg.num_replicas, "ray_actor_options": {"num_cpus": 0}},
+            # Ray sets OMP_NUM_THREADS to the actor's CPUs; the engine wants the cores.
+            "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads)}},
+        }
+    else:
+        extra = {
+            "placement_group_config": {
+                "bundles": [{"GPU": 1, "CPU": 1}] * cfg.tensor_parallel_size,
+                "strategy": "STRICT_PACK",  # tensor parallelism stays within one node
+            },
+            "deployment_config": {"num_replicas": cfg.num_replicas},
+        }
+    return LLMConfig(
+        model_loading_config={"model_id": cfg.model_id, "model_source": resolve_model(cfg.model)},
+        engine_kwargs=engine_kwargs,
+        log_engine_metrics=True,
+        **extra,
+    )
+
+
+def build_app(args: dict[str, Any] | None = None) -> Application:
+    """Ray Serve application builder; `args` is the `args:` block of the Serve config."""
+    cfg = AppConfig.model_validate(args or {})
+    cfg.check_engine_kwargs()
+    check_models(cfg)
+    config = llm_config(cfg)
+    settings = ReplicaSettings(draft_method=cfg.speculation.method)
+    replicas = build_llm_deployment(
+        config, bind_kwargs={"settings": settings}, deployment_cls=SpecReplica
+    )
+    ingress_cls = make_fastapi_ingress(AdaspecIngress, endpoint_map=ENDPOINTS)
+    ingress_options = {**AdaspecIngress.get_deployment_options([config]), "ray_actor_options": {"num_cpus": 0}}
+    return serve.deployment(ingress_cls, **ingress_options).bind(
+        llm_deployments={cfg.model_id: replicas},
+        model_cards={cfg.model_id: to_model_metadata(cfg.model_id, config)},
+        admin=cfg.admin,
+    )

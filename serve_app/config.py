@@ -1,0 +1,140 @@
+"""The application config: the `args:` block of a Ray Serve config that imports serve_app.
+
+Every field is validated at `serve run` time; an error names the field (pydantic's
+location, e.g. `speculation.max_k`). Defaults are the embedded CPU setup, so a config that
+says only `model: smollm2-135m-instruct` starts on a 2-core laptop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from adaspec.models import DEFAULT_MODEL
+from adaspec.policy import PolicyError, SpecPolicy
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SpeculationConfig(_Strict):
+    """How the engine drafts, and the policy it starts with."""
+
+    method: Literal["ngram", "draft_model"] = Field(
+        default="ngram", description="drafter: n-gram prompt lookup, or a small draft model"
+    )
+    max_k: int = Field(
+        default=4, ge=1, le=16,
+        description="draft tokens per step the engine is started for; live policies may use 0..max_k",
+    )
+    draft_model: str | None = Field(
+        default=None, description="draft model (embedded name, folder or HF id); method draft_model only"
+    )
+    prompt_lookup_min: int = Field(default=2, ge=1, description="ngram: shortest n-gram matched (tokens)")
+    prompt_lookup_max: int = Field(default=4, ge=1, description="ngram: longest n-gram matched (tokens)")
+    policy: str = Field(
+        default="chain4",
+        description="policy at start, e.g. `1-2:chain4,3-8:chain2,9+:off` (batch sizes -> config)",
+    )
+
+    @field_validator("policy")
+    @classmethod
+    def _parse_policy(cls, value: str) -> str:
+        try:
+            SpecPolicy.parse(value)
+        except (PolicyError, ValueError) as e:
+            raise ValueError(str(e)) from None
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SpeculationConfig:
+        if (self.method == "draft_model") != (self.draft_model is not None):
+            raise ValueError("draft_model must be set exactly when method is 'draft_model'")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
+        depth = self.initial_policy().max_depth
+        if depth > self.max_k:
+            raise ValueError(f"policy drafts up to {depth} tokens but max_k is {self.max_k}")
+        return self
+
+    def initial_policy(self) -> SpecPolicy:
+        return SpecPolicy.parse(self.policy, version=0)
+
+
+class ControllerConfig(_Strict):
+    """The adaptive controller (a detached Ray actor that retunes every replica's policy)."""
+
+    enabled: bool = Field(default=False, description="run the controller and let it push policies")
+    period_s: float = Field(default=1.0, gt=0, description="control period (seconds)")
+
+
+class AdminConfig(_Strict):
+    """The operator routes under /admin (status, policy), used by `adaspec status|policy`."""
+
+    enabled: bool = Field(default=False, description="serve /admin routes; keep off on a public port")
+    token: str | None = Field(default=None, description="bearer token required on /admin routes")
+
+
+class AppConfig(_Strict):
+    """One adaspec application: an OpenAI ingress and N speculative replicas of one model."""
+
+    model: str = Field(default=DEFAULT_MODEL, description="embedded name, local folder, or HF id")
+    served_model_name: str | None = Field(
+        default=None, description="the `model` clients send; defaults to `model`"
+    )
+    engine: Literal["vllm"] = Field(default="vllm", description="engine in each replica")
+    accelerator: Literal["cpu", "gpu"] = Field(default="cpu")
+    tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs per replica (gpu only)")
+    num_replicas: int = Field(default=1, ge=1)
+    max_model_len: int = Field(default=2048, ge=16, description="context window (tokens)")
+    max_num_seqs: int = Field(default=64, ge=1, description="largest running batch (requests)")
+    kv_cache_gib: float | None = Field(
+        default=None, gt=0,
+        description="KV cache per replica (GiB); default 1 on cpu, vLLM's memory fraction on gpu",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto", description="weights and activations; auto = float32 on cpu, the model's on gpu"
+    )
+    cpu_threads: int | None = Field(
+        default=None, ge=1, description="torch threads of a CPU engine; default all cores"
+    )
+    speculation: SpeculationConfig = Field(default_factory=SpeculationConfig)
+    controller: ControllerConfig = Field(default_factory=ControllerConfig)
+    admin: AdminConfig = Field(default_factory=AdminConfig)
+    engine_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="extra vLLM engine arguments (AsyncEngineArgs fields)"
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> AppConfig:
+        if self.accelerator == "cpu" and self.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 needs accelerator: gpu")
+        return self
+
+    @property
+    def model_id(self) -> str:
+        return self.served_model_name or self.model
+
+    def check_engine_kwargs(self) -> None:
+        """Reject engine_kwargs that are not vLLM engine arguments or that adaspec owns."""
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+        owned = {"model", "speculative_config", "scheduler_cls", "disable_log_stats",
+                 "tensor_parallel_size", "max_model_len", "max_num_seqs", "kv_cache_memory_bytes", "dtype"}
+        for key in self.engine_kwargs:
+            if key not in known:
+                raise ValueError(f"engine_kwargs.{key}: not a vLLM engine argument")
+            if key in owned:
+                raise ValueError(f"engine_kwargs.{key}: set by adaspec; use its own config field")
+
+    @classmethod
+    def from_yaml(cls, path: str) -> AppConfig:
+        """Load the `args:` of the first application in a Serve config file."""
+        with open(path) as f:
+            doc = yaml.safe_load(f)
+        return cls.model_validate(doc["applications"][0].get("args") or {})

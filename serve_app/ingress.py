@@ -1,0 +1,95 @@
+"""The HTTP ingress: Ray Serve LLM's OpenAI ingress, plus the operator's /admin routes.
+
+OpenAI routes (from ray.serve.llm): GET /v1/models, GET /v1/models/{id},
+POST /v1/completions, POST /v1/chat/completions (`stream: true` for server-sent events).
+
+Admin routes (off unless `admin.enabled`; `Authorization: Bearer <token>` when a token is
+configured), used by `adaspec status` and `adaspec policy set`:
+- GET  /admin/status  -> [ReplicaTelemetry], one per replica
+- POST /admin/policy  {"table": "1-2:chain4,3+:off"} -> [PolicyAck], one per replica
+A call reaches every replica through Ray Serve LLM's `broadcast` (one actor call each).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from fastapi import Request, status
+from pydantic import BaseModel, ConfigDict, Field
+
+from adaspec.policy import PolicyError, SpecPolicy
+from ray.llm._internal.serve.core.configs.openai_api_models import OpenAIHTTPException
+from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS, OpenAiIngress
+from ray.llm._internal.serve.utils.broadcast import broadcast
+from serve_app.config import AdminConfig
+
+OPENAI_ROUTES = ("models", "model_data", "completions", "chat")
+
+
+class PolicyRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    table: str = Field(description="policy table, e.g. `1-2:chain4,3-8:chain2,9+:off`")
+    version: int | None = Field(default=None, ge=0, description="default: now, in milliseconds")
+
+
+def new_policy_version() -> int:
+    """Policy versions are wall-clock milliseconds, so every writer's versions interleave."""
+    return time.time_ns() // 1_000_000
+
+
+class AdaspecIngress(OpenAiIngress):
+    """OpenAI ingress with admin routes that reach every replica of the model."""
+
+    def __init__(self, llm_deployments, model_cards, *, admin: AdminConfig, **kwargs):
+        super().__init__(llm_deployments, model_cards, **kwargs)
+        self._admin = admin
+
+    async def _get_model_id(self, model: str | None) -> str:
+        # Ray's ingress answers an unknown model with FastAPI's {"detail": ...}; clients of
+        # the OpenAI API expect {"error": {...}}.
+        if model is not None and model not in self._model_cards:
+            raise OpenAIHTTPException(
+                status_code=status.HTTP_404_NOT_FOUND, type="NotFoundError",
+                message=f"The model `{model}` does not exist. Available: {sorted(self._model_cards)}")
+        return await super()._get_model_id(model)
+
+    def _check_admin(self, request: Request) -> None:
+        if not self._admin.enabled:
+            raise OpenAIHTTPException(
+                status_code=status.HTTP_404_NOT_FOUND, type="NotFound",
+                message="admin routes are disabled; set admin.enabled: true in the app config")
+        if self._admin.token and request.headers.get("authorization") != f"Bearer {self._admin.token}":
+            raise OpenAIHTTPException(
+                status_code=status.HTTP_401_UNAUTHORIZED, type="Unauthorized",
+                message="admin routes need the header `Authorization: Bearer <admin token>`")
+
+    async def _broadcast(self, method: str, *args) -> list:
+        results = []
+        for handle in self._default_serve_handles.values():
+            # broadcast() blocks on ray.get; keep the ingress event loop free.
+            results += await asyncio.to_thread(broadcast, handle, method, args)
+        return results
+
+    async def admin_status(self, request: Request):
+        self._check_admin(request)
+        reports = await self._broadcast("telemetry")
+        return [r.model_dump(mode="json") for r in reports]
+
+    async def admin_policy(self, body: PolicyRequest, request: Request):
+        self._check_admin(request)
+        version = body.version if body.version is not None else new_policy_version()
+        try:
+            policy = SpecPolicy.parse(body.table, version=version)
+        except (PolicyError, ValueError) as e:
+            raise OpenAIHTTPException(status_code=400, type="BadRequestError", message=str(e))
+        acks = await self._broadcast("apply_policy", policy)
+        return [a.model_dump(mode="json") for a in acks]
+
+
+ENDPOINTS = {
+    **{name: DEFAULT_ENDPOINTS[name] for name in OPENAI_ROUTES},
+    "admin_status": lambda app: app.get("/admin/status"),
+    "admin_policy": lambda app: app.post("/admin/policy"),
+}

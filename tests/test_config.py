@@ -1,0 +1,118 @@
+"""App config validation, the app graph the builder makes, the admin guard, and
+`adaspec serve` failing fast on a bad config (no engine is started here)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+from starlette.requests import Request
+
+from adaspec.serve_config import ConfigError, check_serve_config
+from ray.llm._internal.serve.core.configs.openai_api_models import OpenAIHTTPException
+from serve_app.builder import build_app, llm_config
+from serve_app.config import AdminConfig, AppConfig
+from serve_app.ingress import AdaspecIngress
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("args,field", [
+    ({"speculation": {"max_k": 0}}, "speculation.max_k"),
+    ({"speculation": {"policy": "1-2:chain4,5+:off"}}, "speculation.policy"),
+    ({"speculation": {"policy": "chain8"}}, "speculation"),
+    ({"speculation": {"method": "draft_model"}}, "speculation"),
+    ({"max_num_seq": 4}, "max_num_seq"),
+    ({"accelerator": "tpu"}, "accelerator"),
+    ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+    ({"controller": {"period_s": 0}}, "controller.period_s"),
+])
+def test_bad_config_names_the_field(args, field):
+    with pytest.raises(ValidationError) as err:
+        AppConfig.model_validate(args)
+    assert field.split(".")[0] in str(err.value)
+    if "." in field:
+        assert field in str(err.value)
+
+
+def test_engine_kwargs_are_checked_against_vllm():
+    AppConfig(engine_kwargs={"enforce_eager": True}).check_engine_kwargs()
+    with pytest.raises(ValueError, match="engine_kwargs.no_such_arg"):
+        AppConfig(engine_kwargs={"no_such_arg": 1}).check_engine_kwargs()
+    with pytest.raises(ValueError, match="engine_kwargs.scheduler_cls"):
+        AppConfig(engine_kwargs={"scheduler_cls": "x.Y"}).check_engine_kwargs()
+
+
+def test_cpu_app_fits_two_cores_and_starts_with_the_policy():
+    cfg = AppConfig.from_yaml(str(REPO / "configs" / "app.yaml"))
+    config = llm_config(cfg)
+    spec = config.engine_kwargs["speculative_config"]
+    assert spec["method"] == "ngram" and spec["num_speculative_tokens"] == cfg.speculation.max_k
+    assert spec["num_speculative_tokens_per_batch_size"] == [[1, cfg.max_num_seqs, 4]]
+    assert config.engine_kwargs["scheduler_cls"] == "serve_app.vllm_scheduler.AdaspecScheduler"
+    assert config.placement_group_config == {"bundles": [{"CPU": 1}]}
+    assert config.deployment_config["ray_actor_options"]["num_cpus"] == 0
+
+
+def test_gpu_app_reserves_one_bundle_per_tensor_parallel_gpu():
+    cfg = AppConfig.from_yaml(str(REPO / "configs" / "app-gpu-tp2.yaml"))
+    config = llm_config(cfg)
+    assert config.engine_kwargs["tensor_parallel_size"] == 2
+    assert config.placement_group_config["bundles"] == [{"GPU": 1, "CPU": 1}] * 2
+    assert config.placement_group_config["strategy"] == "STRICT_PACK"
+    assert config.engine_kwargs["speculative_config"]["model"] == "meta-llama/Llama-3.2-1B-Instruct"
+
+
+def test_build_app_makes_ingress_and_replica_deployments():
+    app = build_app(AppConfig.from_yaml(str(REPO / "configs" / "app.yaml")).model_dump())
+    ingress = app._bound_deployment
+    assert ingress.name == "AdaspecIngress"
+    (replicas,) = ingress.init_kwargs["llm_deployments"].values()
+    assert replicas._bound_deployment.func_or_class.__name__ == "SpecReplica"
+
+
+def test_bad_model_name_fails_naming_the_field(tmp_path):
+    doc = yaml.safe_load((REPO / "configs" / "app.yaml").read_text())
+    doc["applications"][0]["args"]["model"] = "smollm2-135m-instrct"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ConfigError, match=r"args\.model: 'smollm2-135m-instrct' is not an embedded model"):
+        check_serve_config(bad)
+    res = subprocess.run([str(Path(sys.executable).parent / "adaspec"), "serve", str(bad)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "args.model" in res.stderr
+
+
+def test_serve_config_typo_fails_before_deploying(tmp_path):
+    doc = yaml.safe_load((REPO / "configs" / "app.yaml").read_text())
+    doc["applications"][0]["args"]["speculation"]["max_kk"] = 4
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ConfigError, match=r"applications\[adaspec\]\.args\.speculation\.max_kk"):
+        check_serve_config(bad)
+
+
+def _request(headers: dict[str, str]) -> Request:
+    raw = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+    return Request({"type": "http", "method": "GET", "path": "/admin/status", "headers": raw})
+
+
+@pytest.mark.parametrize("admin,headers,status", [
+    (AdminConfig(enabled=False), {}, 404),
+    (AdminConfig(enabled=True, token="s3cret"), {}, 401),
+    (AdminConfig(enabled=True, token="s3cret"), {"Authorization": "Bearer wrong"}, 401),
+    (AdminConfig(enabled=True, token="s3cret"), {"Authorization": "Bearer s3cret"}, None),
+    (AdminConfig(enabled=True), {}, None),
+])
+def test_admin_routes_are_guarded(admin, headers, status):
+    ingress = AdaspecIngress({}, {}, admin=admin)
+    if status is None:
+        ingress._check_admin(_request(headers))
+    else:
+        with pytest.raises(OpenAIHTTPException) as err:
+            ingress._check_admin(_request(headers))
+        assert err.value.status_code == status

@@ -1,0 +1,205 @@
+"""Live speculation control and per-step telemetry through the real stack (issue: replica control).
+
+Each test pushes its own policy (versions are wall-clock milliseconds, so later pushes win)
+and reads the replica's step records back through the admin routes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from adaspec.policy import SpecConfig, SpecPolicy
+from tests.conftest import MODEL, URL, complete, policy_of, push_policy, replica_status
+
+pytestmark = pytest.mark.slow
+
+REPETITIVE = "one two three four five six, one two three four five six, one two three four"
+PROMPTS = [REPETITIVE, "The capital of France is", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"]
+ADASPEC = str(Path(sys.executable).parent / "adaspec")
+
+
+def _applied_version(acks: list[dict]) -> int:
+    assert acks and all(a["status"] == "applied" for a in acks), acks
+    return acks[0]["version_in_force"]
+
+
+def _steps(client, version: int | None = None, since: float | None = None) -> list[dict]:
+    steps = replica_status(client)[0]["steps"]
+    if version is not None:
+        steps = [s for s in steps if s["policy_version"] == version]
+    if since is not None:
+        steps = [s for s in steps if s["time"] - s["duration_s"] > since]
+    return sorted(steps, key=lambda s: s["time"])
+
+
+def _drafted_depth(step: dict) -> int:
+    return sum(1 for n in step["drafted_per_pos"] if n > 0)
+
+
+def _run_concurrently(client, max_tokens: list[int], prompt: str = REPETITIVE) -> list[dict]:
+    results: list[dict] = [None] * len(max_tokens)
+
+    def one(i: int, n: int) -> None:
+        results[i] = complete(client, prompt, max_tokens=n)
+
+    threads = [threading.Thread(target=one, args=(i, n)) for i, n in enumerate(max_tokens)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def test_chain4_steps_draft_four_tokens(client):
+    version = _applied_version(push_policy(client, "chain4"))
+    complete(client, REPETITIVE, max_tokens=48)
+    steps = _steps(client, version)
+    assert steps, "no steps recorded under the new policy"
+    assert {s["config"] for s in steps} == {"chain4"}
+    assert max(_drafted_depth(s) for s in steps) == 4
+
+
+def test_off_takes_effect_at_the_next_step_while_requests_flow(client):
+    _applied_version(push_policy(client, "chain4"))
+    done: dict = {}
+
+    def long_request() -> None:
+        done["out"] = complete(client, REPETITIVE, max_tokens=160, ignore_eos=True)
+
+    worker = threading.Thread(target=long_request)
+    worker.start()
+    time.sleep(4)  # decoding under chain4
+    acks = push_policy(client, "off")
+    returned_at = time.time()
+    version = _applied_version(acks)
+    worker.join()
+    assert done["out"]["usage"]["completion_tokens"] == 160  # the request was not disturbed
+
+    after = _steps(client, since=returned_at)
+    assert len(after) >= 10, "requests stopped flowing after the switch"
+    # Every step that started after apply_policy returned runs the new policy...
+    assert {s["policy_version"] for s in after} == {version}
+    assert {s["config"] for s in after} == {"off"}
+    # ...and after the one step that verifies drafts made under chain4, nothing is drafted.
+    assert all(s["num_drafts"] == 0 for s in after[1:])
+    before = [s for s in _steps(client) if s["time"] < returned_at and s["config"] == "chain4"]
+    assert any(s["num_drafts"] > 0 for s in before), "chain4 never drafted before the switch"
+
+
+def test_mixed_table_follows_the_running_batch_size(client):
+    table = "1-1:chain4,2-2:chain2,3+:off"
+    policy = SpecPolicy.parse(table)
+    version = _applied_version(push_policy(client, table))
+    _run_concurrently(client, [24, 48, 72])
+    steps = _steps(client, version)
+    assert len({s["batch_size"] for s in steps}) >= 2, "the batch size never changed"
+    for s in steps:
+        assert s["config"] == str(policy.config_for(s["batch_size"])), s
+    # Drafts verified in a step were proposed under the previous step's config.
+    for prev, cur in zip(steps, steps[1:]):
+        assert _drafted_depth(cur) <= SpecConfig.parse(prev["config"]).depth, (prev, cur)
+
+
+def test_invalid_policies_are_rejected_and_the_old_one_stays(client):
+    version = _applied_version(push_policy(client, "chain2"))
+    for table, reason in [("chain8", "k <= 4"), ("tree2x2", "tree"), ("1-4:chain2", "covers")]:
+        (ack,) = push_policy(client, table)
+        assert ack["status"] == "rejected" and reason in ack["message"], ack
+        assert ack["version_in_force"] == version
+    (stale,) = push_policy(client, "chain1", version=version - 1)
+    assert stale["status"] == "ignored_stale"
+    resp = client.post("/admin/policy", json={"table": "1-2:chainX"})
+    assert resp.status_code == 400 and "chainX" in resp.json()["error"]["message"]
+    status = replica_status(client)[0]
+    assert policy_of(status).version == version and str(policy_of(status)) == "1+:chain2"
+
+
+def _per_pos_counter(metrics: str, name: str) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for m in re.finditer(rf'^{name}{{([^}}]*)}} (\S+)$', metrics, re.M):
+        pos = re.search(r'position="(\d+)"', m.group(1))
+        if pos:
+            out[int(pos.group(1))] = out.get(int(pos.group(1)), 0.0) + float(m.group(2))
+    return out
+
+
+def test_acceptance_agrees_with_vllm_counters(server, client):
+    name = "ray_vllm_spec_decode_num_accepted_tokens_per_pos_total"
+    _applied_version(push_policy(client, "chain4"))
+    time.sleep(6)  # let Ray export everything from earlier tests
+    before = _per_pos_counter(server.metrics_text(), name)
+    start = time.time()
+    for prompt in PROMPTS:
+        complete(client, prompt, max_tokens=40)
+    ours: dict[int, int] = {}
+    for s in _steps(client, since=start):
+        for pos, n in enumerate(s["accepted_per_pos"]):
+            ours[pos] = ours.get(pos, 0) + n
+    assert sum(ours.values()) > 0, "nothing was accepted; the check would be empty"
+    for _ in range(30):
+        after = _per_pos_counter(server.metrics_text(), name)
+        theirs = {p: int(after.get(p, 0) - before.get(p, 0)) for p in set(after) | set(ours)}
+        theirs = {p: n for p, n in theirs.items() if n or p in ours}
+        if theirs == ours:
+            break
+        time.sleep(1)
+    assert theirs == ours
+
+
+def test_greedy_output_is_identical_under_every_policy(client):
+    outputs = {}
+    for table in ["off", "chain1", "chain4", "1-1:chain3,2+:chain1"]:
+        _applied_version(push_policy(client, table))
+        outputs[table] = [complete(client, p, max_tokens=40)["choices"][0]["text"] for p in PROMPTS]
+    reference = outputs["off"]
+    for table, texts in outputs.items():
+        assert texts == reference, f"policy {table} changed greedy output"
+
+
+def test_cli_policy_set_and_status(client):
+    run = lambda *args: subprocess.run([ADASPEC, *args], capture_output=True, text=True, timeout=120)
+    table = "1-2:chain4,3-8:chain2,9+:off"
+    res = run("policy", "set", "--url", URL, "--table", table)
+    assert res.returncode == 0, res.stderr
+    assert "applied" in res.stdout and table in res.stdout
+    complete(client, REPETITIVE, max_tokens=24)
+
+    res = run("status", "--url", URL, "--json")
+    assert res.returncode == 0, res.stderr
+    (report,) = json.loads(res.stdout)
+    assert str(SpecPolicy.model_validate(report["policy"])) == table
+    assert report["capabilities"]["max_k"] == 4 and report["steps"]
+
+    res = run("status", "--url", URL)
+    assert res.returncode == 0 and table in res.stdout and "acceptance per position" in res.stdout
+
+    res = run("policy", "set", "--url", URL, "--table", "chain9")
+    assert res.returncode == 1 and "rejected" in res.stdout
+    res = run("policy", "set", "--url", URL, "--table", "bogus")
+    assert res.returncode == 2 and "bogus" in res.stderr
+
+
+def test_prometheus_exports_adaspec_metrics(server, client):
+    _applied_version(push_policy(client, "chain3"))
+    complete(client, REPETITIVE, max_tokens=32)
+    pattern = re.compile(r"^ray_adaspec_spec_k{[^}]*} (\S+)$", re.M)
+    for _ in range(30):
+        text = server.metrics_text()
+        m = pattern.search(text)
+        if m and float(m.group(1)) == 3.0:
+            break
+        time.sleep(1)
+    assert m and float(m.group(1)) == 3.0
+    assert re.search(r"^ray_adaspec_step_seconds_count{[^}]*} [1-9]", text, re.M)
+    assert "ray_adaspec_mean_accepted_length" in text
+    assert "ray_adaspec_acceptance_rate" in text
+    # MODEL label present, so dashboards can split by model.
+    assert f'model="{MODEL}"' in text

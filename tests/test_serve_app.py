@@ -1,0 +1,143 @@
+"""The OpenAI API of the default app, through the real stack (issue: foundation)."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import MODEL, URL, complete
+
+pytestmark = pytest.mark.slow
+
+CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
+# Repeats itself, so n-gram prompt lookup finds continuations to draft.
+REPETITIVE = "one two three four five six, one two three four five six, one two three four"
+
+
+def _sse_text(resp: httpx.Response, chat: bool) -> str:
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    text, done = [], False
+    for line in resp.iter_lines():
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: "):]
+        if data == "[DONE]":
+            done = True
+            continue
+        choice = json.loads(data)["choices"][0]
+        text.append((choice.get("delta") or {}).get("content") or "" if chat else choice["text"])
+    assert done, "stream did not end with [DONE]"
+    return "".join(text)
+
+
+def test_models_lists_the_served_model(client):
+    resp = client.get("/v1/models")
+    assert resp.status_code == 200
+    assert [m["id"] for m in resp.json()["data"]] == [MODEL]
+
+
+def test_greedy_completion_knows_paris(client):
+    out = complete(client, "The capital of France is", max_tokens=8)
+    assert "Paris" in out["choices"][0]["text"]
+    assert out["usage"]["completion_tokens"] <= 8
+
+
+def test_chat_completion(client):
+    resp = client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": CHAT, "max_tokens": 16, "temperature": 0})
+    assert resp.status_code == 200, resp.text
+    message = resp.json()["choices"][0]["message"]
+    assert message["role"] == "assistant"
+    assert "Paris" in message["content"]
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_streaming_delivers_the_same_text(client, chat):
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body = {"model": MODEL, "max_tokens": 24, "temperature": 0,
+            **({"messages": CHAT} if chat else {"prompt": "The capital of France is"})}
+    plain = client.post(path, json=body).json()["choices"][0]
+    plain_text = plain["message"]["content"] if chat else plain["text"]
+    with client.stream("POST", path, json={**body, "stream": True}) as resp:
+        assert resp.status_code == 200
+        streamed = _sse_text(resp, chat)
+    assert streamed == plain_text
+    assert streamed
+
+
+def test_official_openai_client(server):
+    oai = openai.OpenAI(base_url=f"{URL}/v1", api_key="unused")
+    assert MODEL in [m.id for m in oai.models.list()]
+    comp = oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert "Paris" in comp.choices[0].text
+    chat = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, temperature=0)
+    assert "Paris" in chat.choices[0].message.content
+    stream = oai.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, temperature=0, stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert streamed == chat.choices[0].message.content
+    with pytest.raises(openai.NotFoundError):
+        oai.completions.create(model="no-such-model", prompt="hi", max_tokens=4)
+    with pytest.raises(openai.BadRequestError):
+        oai.completions.create(model=MODEL, prompt="hi", max_tokens=4, temperature=-1)
+
+
+LONG_PROMPT = "hello " * 3000  # > 2048 tokens (max_model_len in configs/app.yaml)
+BAD_INPUTS = [
+    # name, path, raw body (str) or JSON body, status, text the message must contain
+    ("malformed_json", "/v1/completions", '{"model": "m", "prompt": ', 400, "JSON"),
+    ("missing_prompt", "/v1/completions", {"model": MODEL, "max_tokens": 4}, 400, "prompt"),
+    ("missing_messages", "/v1/chat/completions", {"model": MODEL, "max_tokens": 4}, 400, "messages"),
+    ("prompt_wrong_type", "/v1/completions", {"model": MODEL, "prompt": {"a": 1}}, 400, "prompt"),
+    ("messages_wrong_type", "/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages"),
+    ("max_tokens_wrong_type", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "x"}, 400, "max_tokens"),
+    ("max_tokens_zero", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens_negative", "/v1/chat/completions",
+     {"model": MODEL, "messages": CHAT, "max_tokens": -1}, 400, "max_tokens"),
+    ("max_tokens_beyond_context", "/v1/completions",
+     {"model": MODEL, "prompt": "hi", "max_tokens": 100000}, 400, "max_tokens"),
+    ("negative_temperature", "/v1/completions",
+     {"model": MODEL, "prompt": "hi", "max_tokens": 4, "temperature": -0.5}, 400, "temperature"),
+    ("top_p_zero", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 4, "top_p": 0}, 400, "top_p"),
+    ("top_p_above_one", "/v1/chat/completions",
+     {"model": MODEL, "messages": CHAT, "max_tokens": 4, "top_p": 1.5}, 400, "top_p"),
+    ("unknown_model", "/v1/completions", {"model": "no-such-model", "prompt": "hi"}, 404, "no-such-model"),
+    ("unknown_model_chat", "/v1/chat/completions", {"model": "no-such-model", "messages": CHAT}, 404, "no-such-model"),
+    ("prompt_beyond_context", "/v1/completions", {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 4}, 400, "context"),
+    ("prompt_beyond_context_stream", "/v1/completions",
+     {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 4, "stream": True}, 400, "context"),
+    ("empty_prompt", "/v1/completions", {"model": MODEL, "prompt": "", "max_tokens": 4}, 400, "prompt"),
+    ("empty_messages", "/v1/chat/completions", {"model": MODEL, "messages": [], "max_tokens": 4}, 400, "empty"),
+]
+
+
+@pytest.mark.parametrize("name,path,body,status,needle", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_gets_an_openai_error(client, name, path, body, status, needle):
+    if isinstance(body, str):
+        resp = client.post(path, content=body, headers={"content-type": "application/json"}, timeout=60)
+    else:
+        resp = client.post(path, json=body, timeout=60)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]  # the OpenAI error shape: {"error": {"message", "type", ...}}
+    assert needle.lower() in error["message"].lower(), error
+    assert error["type"]
+
+
+def _counter(metrics: str, name: str) -> float:
+    """Sum of a Prometheus counter over all label sets."""
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", metrics, re.M))
+
+
+def test_ngram_speculation_is_really_on(server, client):
+    before = _counter(server.metrics_text(), "ray_vllm_spec_decode_num_draft_tokens_total")
+    complete(client, REPETITIVE, max_tokens=48)
+    for _ in range(30):  # Ray exports metrics every few seconds
+        after = _counter(server.metrics_text(), "ray_vllm_spec_decode_num_draft_tokens_total")
+        if after > before:
+            break
+        time.sleep(1)
+    assert after > before, "vLLM's spec-decode draft counter did not grow"
