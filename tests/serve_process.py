@@ -22,6 +22,12 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _default_sigint() -> None:
+    # A shell without job control starts background jobs with SIGINT ignored, and an
+    # ignored signal stays ignored across exec: `serve run` would then never see Ctrl-C.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def session_processes(sid: int) -> list[psutil.Process]:
     """Live (non-zombie) processes of session `sid`."""
     out = []
@@ -60,7 +66,8 @@ class ServeProcess:
         self._log = open(self.log_path, "w")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(self.command, cwd=REPO, stdout=self._log,
-                                     stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                                     stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                     preexec_fn=_default_sigint)
 
     def log_tail(self, n: int = 60) -> str:
         lines = self.log_path.read_text(errors="replace").splitlines()
