@@ -48,6 +48,45 @@ def set_policy(url: str, table: str, token: str | None = None, version: int | No
     return [PolicyAckView.model_validate(a) for a in _request("POST", url, "/admin/policy", token, json=body)]
 
 
+def controller_view(url: str, token: str | None = None) -> dict | None:
+    """The controller's view (ControllerView as JSON), or None when no controller runs."""
+    try:
+        return _request("GET", url, "/admin/controller", token)
+    except AdminError as e:
+        if "HTTP 404" in str(e):
+            return None
+        raise
+
+
+def controller_action(url: str, action: str, token: str | None = None) -> dict:
+    return _request("POST", url, "/admin/controller", token, json={"action": action})
+
+
+def format_controller(view: dict | None) -> str:
+    if view is None:
+        return "controller: not running"
+    lines = [f"controller: {'PAUSED' if view['paused'] else 'active'}; {view['decisions']} decisions, "
+             f"{view['policies_pushed']} policies pushed"
+             + ("; resumed from checkpoint" if view["restored_from_checkpoint"] else "")]
+    for model_id, fit in view["step_time_models"].items():
+        mape = f"{100 * fit['holdout_mape']:.1f}%" if fit["holdout_mape"] is not None else "-"
+        lines.append(f"  step-time model {model_id}: {fit['kind']}, {fit['samples']} steps, "
+                     f"held-out error {mape}")
+    for r in view["replicas"]:
+        fmt = lambda x, scale=1.0, unit="": "-" if x is None else f"{scale * x:.1f}{unit}"
+        lines += [
+            f"  replica {r['replica_id']}: rate {r['arrival_rate']:.2f} req/s, batch {r['mean_batch']:.1f}, "
+            f"output {r['output_tokens']:.0f} tokens/request",
+            f"    acceptance per position: {' '.join(f'{p:.2f}' for p in r['conditional_acceptance'])}",
+            f"    in force: {r['policy_in_force']}   chosen: {r['chosen_policy'] or '-'} "
+            f"(decision {fmt(r['decision_ms'], unit=' ms')})",
+            f"    step time measured {fmt(r['measured_step_s'], 1000, ' ms')}, "
+            f"predicted {fmt(r['predicted_step_s'], 1000, ' ms')}; predicted batch "
+            f"{fmt(r['operating_batch'])}, latency {fmt(r['predicted_latency_s'], unit=' s')}",
+        ]
+    return "\n".join(lines)
+
+
 def format_status(reports: list[ReplicaTelemetry]) -> str:
     """A one-screen, human-readable view of every replica."""
     lines = []

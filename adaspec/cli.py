@@ -2,7 +2,10 @@
 
   prepare-models              install and convert the embedded models (idempotent)
   serve [CONFIG]              check a Serve config, then `serve run` it (default configs/app.yaml)
-  status  --url URL [--json]  per replica: policy, batch sizes, acceptance, step time
+  status  --url URL [--json] [--watch S]  per replica: policy, batch sizes, acceptance, step
+                              time; and the controller's view (rate, chosen policy, predicted vs
+                              measured step time)
+  controller show|pause|resume --url URL   the adaptive controller
   policy set --url URL --table "1-2:chain4,3-8:chain2,9+:off"   push a policy to every replica
   policy show --url URL       the policy in force on every replica
 
@@ -47,11 +50,28 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    reports = admin_client.status(args.url, token=args.token)
-    if args.json:
-        print(json.dumps([r.model_dump(mode="json") for r in reports], indent=2))
+    while True:
+        reports = admin_client.status(args.url, token=args.token)
+        view = admin_client.controller_view(args.url, token=args.token)
+        if args.json:
+            print(json.dumps({"replicas": [r.model_dump(mode="json") for r in reports],
+                              "controller": view}, indent=2))
+        else:
+            if args.watch:
+                print("\033[2J\033[H" + time.strftime("%H:%M:%S"), end="\n")
+            print(admin_client.format_status(reports))
+            print(admin_client.format_controller(view))
+        if not args.watch:
+            return 0
+        time.sleep(args.watch)
+
+
+def _cmd_controller(args: argparse.Namespace) -> int:
+    if args.action == "show":
+        view = admin_client.controller_view(args.url, token=args.token)
     else:
-        print(admin_client.format_status(reports))
+        view = admin_client.controller_action(args.url, args.action, token=args.token)
+    print(json.dumps(view, indent=2) if args.json else admin_client.format_controller(view))
     return 0
 
 
@@ -103,7 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("status", help="per-replica policy, acceptance and step time")
     _add_url(p)
+    p.add_argument("--watch", type=float, default=None, metavar="SECONDS", help="refresh every SECONDS")
     p.set_defaults(func=_cmd_status)
+
+    p = sub.add_parser("controller", help="show, pause or resume the adaptive controller")
+    p.add_argument("action", choices=["show", "pause", "resume"])
+    _add_url(p)
+    p.set_defaults(func=_cmd_controller)
 
     policy = sub.add_parser("policy", help="show or set the speculation policy").add_subparsers(
         dest="policy_command", required=True)

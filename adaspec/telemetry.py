@@ -38,6 +38,10 @@ class StepRecord:
     num_drafts: int = 0  # sequences that verified draft tokens in this step
     drafted_per_pos: list[int] = field(default_factory=list)  # [position] -> sequences
     accepted_per_pos: list[int] = field(default_factory=list)  # [position] -> sequences
+    # Trees (native engine): [depth][sibling rank] -> sequences that had that candidate with
+    # its parent accepted and every lower-ranked sibling rejected, and how many accepted it.
+    reached_per_depth_rank: list[list[int]] = field(default_factory=list)
+    accepted_per_depth_rank: list[list[int]] = field(default_factory=list)
 
 
 class EngineCapabilities(BaseModel):
@@ -58,6 +62,7 @@ class ReplicaTelemetry(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     replica_id: str
+    model_id: str
     capabilities: EngineCapabilities
     window_start: float
     window_end: float

@@ -94,7 +94,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     cfg.check_engine_kwargs()
     check_models(cfg)
     config = llm_config(cfg)
-    settings = ReplicaSettings(draft_method=cfg.speculation.method)
+    settings = ReplicaSettings(draft_method=cfg.speculation.method, controller=cfg.controller)
     replicas = build_llm_deployment(
         config, bind_kwargs={"settings": settings}, deployment_cls=SpecReplica
     )

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from adaspec.models import DEFAULT_MODEL
 from adaspec.policy import PolicyError, SpecPolicy
+from controller.config import ControllerConfig
 
 
 class _Strict(BaseModel):
@@ -63,13 +64,6 @@ class SpeculationConfig(_Strict):
 
     def initial_policy(self) -> SpecPolicy:
         return SpecPolicy.parse(self.policy, version=0)
-
-
-class ControllerConfig(_Strict):
-    """The adaptive controller (a detached Ray actor that retunes every replica's policy)."""
-
-    enabled: bool = Field(default=False, description="run the controller and let it push policies")
-    period_s: float = Field(default=1.0, gt=0, description="control period (seconds)")
 
 
 class AdminConfig(_Strict):

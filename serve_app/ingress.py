@@ -7,6 +7,8 @@ Admin routes (off unless `admin.enabled`; `Authorization: Bearer <token>` when a
 configured), used by `adaspec status` and `adaspec policy set`:
 - GET  /admin/status  -> [ReplicaTelemetry], one per replica
 - POST /admin/policy  {"table": "1-2:chain4,3+:off"} -> [PolicyAck], one per replica
+- GET  /admin/controller -> ControllerView (404 when no controller runs)
+- POST /admin/controller {"action": "pause" | "resume"} -> ControllerView
 A call reaches every replica through Ray Serve LLM's `broadcast` (one actor call each).
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Literal
 
 from fastapi import Request, status
 from pydantic import BaseModel, ConfigDict, Field
@@ -25,6 +28,12 @@ from ray.llm._internal.serve.utils.broadcast import broadcast
 from serve_app.config import AdminConfig
 
 OPENAI_ROUTES = ("models", "model_data", "completions", "chat")
+
+
+class ControllerRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    action: Literal["pause", "resume"]
 
 
 class PolicyRequest(BaseModel):
@@ -88,8 +97,31 @@ class AdaspecIngress(OpenAiIngress):
         return [a.model_dump(mode="json") for a in acks]
 
 
+    async def _controller(self):
+        from controller.actor import get_controller
+
+        try:
+            return await asyncio.to_thread(get_controller)
+        except ValueError:
+            raise OpenAIHTTPException(
+                status_code=status.HTTP_404_NOT_FOUND, type="NotFound",
+                message="no adaspec controller is running; set controller.enabled: true") from None
+
+    async def admin_controller(self, request: Request):
+        self._check_admin(request)
+        view = await (await self._controller()).view.remote()
+        return view.model_dump(mode="json")
+
+    async def admin_controller_action(self, body: ControllerRequest, request: Request):
+        self._check_admin(request)
+        view = await (await self._controller()).set_paused.remote(body.action == "pause")
+        return view.model_dump(mode="json")
+
+
 ENDPOINTS = {
     **{name: DEFAULT_ENDPOINTS[name] for name in OPENAI_ROUTES},
     "admin_status": lambda app: app.get("/admin/status"),
     "admin_policy": lambda app: app.post("/admin/policy"),
+    "admin_controller": lambda app: app.get("/admin/controller"),
+    "admin_controller_action": lambda app: app.post("/admin/controller"),
 }

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from adaspec.policy import SpecPolicy
 from adaspec.telemetry import EngineCapabilities, ReplicaTelemetry, StepRecord, summarize_acceptance
+from controller.config import ControllerConfig
 from ray import serve
 from ray.llm._internal.serve.core.server.llm_server import LLMServer
 from ray.util import metrics
@@ -34,6 +35,7 @@ class ReplicaSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     draft_method: str
+    controller: ControllerConfig = Field(default_factory=ControllerConfig)
     window_s: float = Field(default=120.0, description="telemetry kept in the replica (seconds)")
     poll_interval_s: float = Field(default=0.25, description="engine drain period (seconds)")
 
@@ -87,7 +89,11 @@ class SpecReplica(LLMServer):
             self._replica_id = "local"
         self._metrics = _ReplicaMetrics(self._replica_id, llm_config.model_id)
         await self._poll_engine()
-        self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
+        loop = asyncio.get_running_loop()
+        self._poller = loop.create_task(self._poll_forever())
+        self._controller = None
+        if settings.controller.enabled:
+            self._reporter = loop.create_task(self._report_forever())
 
     # ------------------------------------------------------------------ requests
     async def _tracked(self, stream: AsyncGenerator) -> AsyncGenerator:
@@ -133,7 +139,8 @@ class SpecReplica(LLMServer):
         window_start = steps[0].time if since is None and steps else start
         assert self._report is not None
         return ReplicaTelemetry(
-            replica_id=self._replica_id, capabilities=self.capabilities,
+            replica_id=self._replica_id, model_id=self._llm_config.model_id,
+            capabilities=self.capabilities,
             window_start=window_start, window_end=now,
             arrivals=sum(1 for t in self._arrivals if t > window_start),
             finished=sum(1 for t in self._finishes if t > window_start),
@@ -153,6 +160,33 @@ class SpecReplica(LLMServer):
             while q and (q[0].time if isinstance(q[0], StepRecord) else q[0]) < horizon:
                 q.popleft()
         self._metrics.observe(report, report.running)
+
+    async def _report_forever(self) -> None:
+        """Every control period: telemetry up to the controller, its policy (if any) down.
+
+        If the controller is unreachable the replica keeps its policy and retries next
+        period (a restarted controller is found again by name)."""
+        from controller.actor import get_or_create_controller
+
+        period = self._settings.controller.period_s
+        since, failures = time.time(), 0
+        while True:
+            await asyncio.sleep(period)
+            try:
+                telemetry = await self.telemetry(since=since)
+                since = telemetry.window_end
+                if self._controller is None:
+                    self._controller = get_or_create_controller(self._settings.controller)
+                policy = await asyncio.wait_for(self._controller.report.remote(telemetry), timeout=5 * period + 5)
+                failures = 0
+                if policy is not None:
+                    await self.apply_policy(policy)
+            except Exception as e:
+                self._controller = None
+                failures += 1
+                if failures in (1, 10) or failures % 100 == 0:
+                    logger.warning("adaspec: controller unreachable (%d periods): %r; keeping policy v%d",
+                                   failures, e, self._report.policy.version if self._report else -1)
 
     async def _poll_forever(self) -> None:
         while True:

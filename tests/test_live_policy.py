@@ -174,7 +174,7 @@ def test_cli_policy_set_and_status(client):
 
     res = run("status", "--url", URL, "--json")
     assert res.returncode == 0, res.stderr
-    (report,) = json.loads(res.stdout)
+    (report,) = json.loads(res.stdout)["replicas"]
     assert str(SpecPolicy.model_validate(report["policy"])) == table
     assert report["capabilities"]["max_k"] == 4 and report["steps"]
 

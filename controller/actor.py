@@ -1,0 +1,114 @@
+"""The controller as a Ray actor: one named, detached, restartable actor per Ray cluster.
+
+Replicas call `report(telemetry)` every control period and apply the policy it returns (if
+any); a replica that stops reporting is dropped. The actor refits step-time models in a
+thread and checkpoints its state every few periods, so a restarted actor (Ray restarts it
+after a crash, `max_restarts=-1`) resumes with its models and policies. While it is down,
+replicas keep serving on their last policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pickle
+import time
+from pathlib import Path
+
+import ray
+
+from adaspec.policy import SpecPolicy
+from adaspec.telemetry import ReplicaTelemetry
+from controller.config import ControllerConfig
+from controller.core import ControllerCore, ControllerView
+
+CONTROLLER_NAME = "adaspec-controller"
+NAMESPACE = "adaspec"
+CHECKPOINT_FILE = "controller.pkl"
+CHECKPOINT_EVERY_PERIODS = 5
+
+logger = logging.getLogger("adaspec.controller")
+
+
+def checkpoint_dir(config: ControllerConfig) -> Path:
+    root = config.checkpoint_dir or os.path.join(Path.home(), ".cache", "adaspec", "controller")
+    return Path(root).expanduser()
+
+
+@ray.remote(num_cpus=0, max_restarts=-1)
+class ControllerActor:
+    def __init__(self, config: ControllerConfig):
+        self.config = config
+        self.core = ControllerCore(config)
+        self.path = checkpoint_dir(config) / CHECKPOINT_FILE
+        if self.path.is_file():
+            try:
+                self.core.load_state(pickle.loads(self.path.read_bytes()))
+                logger.info("adaspec controller: resumed from %s", self.path)
+            except Exception:  # a corrupt checkpoint must not keep the controller down
+                logger.exception("adaspec controller: cannot read %s; starting fresh", self.path)
+        self._upkeep: asyncio.Task | None = None
+
+    def _ensure_upkeep(self) -> None:
+        if self._upkeep is None or self._upkeep.done():
+            self._upkeep = asyncio.get_running_loop().create_task(self._upkeep_forever())
+
+    async def _upkeep_forever(self) -> None:
+        periods = 0
+        last_refit = 0.0
+        while True:
+            await asyncio.sleep(self.config.period_s)
+            periods += 1
+            try:
+                now = time.time()
+                for rid in self.core.drop_stale(now):
+                    logger.info("adaspec controller: replica %s dropped (silent)", rid)
+                if now - last_refit >= self.config.refit_every_s:
+                    last_refit = now
+                    for model_id, job in self.core.refit_jobs().items():
+                        report = await asyncio.to_thread(job.fit)
+                        self.core.install_fit(model_id, job)
+                        logger.info("adaspec controller: step-time model of %s: %s", model_id, report)
+                if periods % CHECKPOINT_EVERY_PERIODS == 0:
+                    await self.checkpoint()
+            except Exception:
+                logger.exception("adaspec controller: upkeep failed")
+
+    async def report(self, telemetry: ReplicaTelemetry) -> SpecPolicy | None:
+        """A replica's telemetry in, a new policy (or None) out."""
+        self._ensure_upkeep()
+        return self.core.report(telemetry)
+
+    async def view(self) -> ControllerView:
+        self._ensure_upkeep()
+        return self.core.view()
+
+    async def set_paused(self, paused: bool) -> ControllerView:
+        self.core.paused = paused
+        await self.checkpoint()
+        return self.core.view()
+
+    async def checkpoint(self) -> str:
+        data = pickle.dumps(self.core.state())
+        await asyncio.to_thread(_write_atomically, self.path, data)
+        return str(self.path)
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp-{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def get_or_create_controller(config: ControllerConfig):
+    """The cluster's controller actor, created by whichever replica asks first."""
+    return ControllerActor.options(
+        name=CONTROLLER_NAME, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+    ).remote(config)
+
+
+def get_controller():
+    """The running controller actor; raises ValueError if there is none."""
+    return ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)

@@ -1,0 +1,339 @@
+"""The controller's logic, free of Ray: replicas report telemetry, the controller answers
+with a new policy when its models say one pays. The Ray actor (`controller.actor`) and the
+simulator (`controller.simulate`) both drive this same object.
+
+Per deployment (model id) it keeps one step-time model, fed by every replica's steps; per
+replica an acceptance model and load estimates (arrival rate, batch, output length).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+from adaspec.policy import OPEN_END, PolicyRule, SpecConfig, SpecPolicy
+from adaspec.telemetry import EngineCapabilities, ReplicaTelemetry, StepRecord
+from controller.acceptance import AcceptanceModel, expected_accepted_length
+from controller.config import ControllerConfig
+from controller.policy_search import (
+    CostTable,
+    Decision,
+    Objective,
+    batch_buckets,
+    candidate_configs,
+    search_policy,
+)
+from controller.step_time import FitReport, StepTimeModel, step_features
+
+LOAD_HALF_LIFE_S = 5.0  # memory of the load estimates (arrival rate, batch, lengths)
+EXPLORE_STEPS = 20  # steps a (batch bucket, config) needs before the step-time model is trusted there
+VIEW_STEPS = 64  # steps kept per replica to compare predicted and measured step time
+
+
+class ReplicaView(BaseModel):
+    """The controller's view of one replica (for `adaspec status`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    replica_id: str
+    model_id: str
+    seconds_since_report: float
+    arrival_rate: float  # requests/s
+    mean_batch: float  # requests per step
+    output_tokens: float  # mean per request
+    conditional_acceptance: list[float]  # per position, chains
+    expected_length: dict[str, float]  # config -> predicted tokens per verify step
+    policy_in_force: str
+    chosen_policy: str | None
+    decision_ms: float | None
+    operating_batch: float | None
+    predicted_latency_s: float | None
+    measured_step_s: float | None  # mean over the last steps
+    predicted_step_s: float | None  # the model's prediction for the same steps
+
+
+class ControllerView(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    paused: bool
+    restored_from_checkpoint: bool
+    decisions: int
+    policies_pushed: int
+    replicas: list[ReplicaView]
+    step_time_models: dict[str, FitReport]  # model id -> last fit
+
+
+def load_profile(path: str, model_id: str) -> list[StepRecord]:
+    """Step records of `model_id` from a file written by `adaspec profile` (JSON lines)."""
+    from pydantic import TypeAdapter
+
+    adapter = TypeAdapter(ProfiledStep)
+    with open(path) as f:
+        rows = [adapter.validate_json(line) for line in f if line.strip()]
+    return [r.step for r in rows if r.model_id == model_id]
+
+
+class ProfiledStep(BaseModel):
+    """One line of a profile file: a step and the model it ran."""
+
+    model_id: str
+    step: StepRecord
+
+
+def _bucket_of(batch: int, max_batch: int) -> int:
+    """The lower bound of the policy-search bucket holding `batch`."""
+    for lo, hi in batch_buckets(max_batch):
+        if lo <= batch <= hi:
+            return lo
+    return batch_buckets(max_batch)[-1][0]
+
+
+def _bucket_hi(lo: int, max_batch: int) -> int:
+    return dict(batch_buckets(max_batch))[lo]
+
+
+def _with_bucket(policy: SpecPolicy, lo: int, hi: int, config: SpecConfig) -> SpecPolicy:
+    """`policy` with batch sizes lo..hi running `config`."""
+    table = policy.compile(max(hi, policy.rules[-1].batch_lo) + 1)
+    for b in range(lo, hi + 1):
+        table[b] = config
+    rules: list[PolicyRule] = []
+    for b in range(1, len(table)):
+        if rules and rules[-1].config == table[b]:
+            rules[-1] = rules[-1].model_copy(update={"batch_hi": b})
+        else:
+            rules.append(PolicyRule(batch_lo=b, batch_hi=b, config=table[b]))
+    rules[-1] = rules[-1].model_copy(update={"batch_hi": OPEN_END})
+    return policy.model_copy(update={"rules": tuple(rules)})
+
+
+def _ema(old: float | None, new: float, dt: float, half_life: float) -> float:
+    if old is None:
+        return new
+    a = 1.0 - 0.5 ** (max(dt, 0.0) / half_life)
+    return old + a * (new - old)
+
+
+@dataclass
+class _Replica:
+    model_id: str
+    capabilities: EngineCapabilities
+    acceptance: AcceptanceModel
+    policy_in_force: SpecPolicy
+    last_seen: float
+    rate: float | None = None
+    batch: float | None = None
+    output_tokens: float | None = None
+    recent_steps: list[StepRecord] = field(default_factory=list)
+    decision: Decision | None = None
+    last_probe: float = -1e18
+
+
+@dataclass
+class _Deployment:
+    step_model: StepTimeModel
+    seen: dict[tuple[int, str], int] = field(default_factory=dict)  # (bucket lo, config) -> steps
+    context_per_seq: float | None = None
+    prefill_per_step: float | None = None
+    costs: CostTable | None = None
+    costs_built_at: float = -1e18
+    model_version: int = 0
+    costs_version: int = -1
+    samples_at_fit: int = 0
+
+
+class ControllerCore:
+    def __init__(self, config: ControllerConfig):
+        self.config = config
+        self.objective = Objective(config.objective, config.tpot_slo_s)
+        self.replicas: dict[str, _Replica] = {}
+        self.deployments: dict[str, _Deployment] = {}
+        self.paused = False
+        self.restored = False
+        self.decisions = 0
+        self.pushed = 0
+
+    # ------------------------------------------------------------------ reports
+    def report(self, tel: ReplicaTelemetry, now: float | None = None) -> SpecPolicy | None:
+        """Take a replica's telemetry; return a policy to apply, or None to keep its own."""
+        now = time.time() if now is None else now
+        self.observe(tel, now)
+        if self.paused:
+            return None
+        decision = self.decide(tel.replica_id, now)
+        if decision is None or not decision.changed:
+            return None
+        self.pushed += 1
+        return decision.policy
+
+    def observe(self, tel: ReplicaTelemetry, now: float) -> None:
+        rep = self.replicas.get(tel.replica_id)
+        if rep is None:
+            rep = _Replica(tel.model_id, tel.capabilities,
+                           AcceptanceModel(half_life_s=self.config.half_life_s), tel.policy, now)
+            self.replicas[tel.replica_id] = rep
+        dt = now - rep.last_seen
+        rep.last_seen, rep.capabilities, rep.policy_in_force = now, tel.capabilities, tel.policy
+        steps = tel.steps
+        rep.acceptance.update(steps, now)
+        rep.recent_steps = (rep.recent_steps + steps)[-VIEW_STEPS:]
+        span = max(tel.window_end - tel.window_start, 1e-3)
+        rep.rate = _ema(rep.rate, tel.arrivals / span, dt, LOAD_HALF_LIFE_S)
+        if steps:
+            rep.batch = _ema(rep.batch, float(np.mean([s.batch_size for s in steps])), dt, LOAD_HALF_LIFE_S)
+            if tel.finished:
+                generated = sum(s.num_decode_reqs + sum(s.accepted_per_pos) for s in steps)
+                rep.output_tokens = _ema(rep.output_tokens, generated / tel.finished, dt, LOAD_HALF_LIFE_S)
+
+        dep = self.deployments.get(tel.model_id)
+        if dep is None:
+            dep = self.deployments[tel.model_id] = _Deployment(StepTimeModel())
+            if self.config.profile_path:
+                dep.step_model.add(load_profile(self.config.profile_path, tel.model_id))
+        dep.step_model.add(steps)
+        for s in steps:
+            key = (_bucket_of(s.batch_size, tel.capabilities.max_batch_size), s.config)
+            dep.seen[key] = dep.seen.get(key, 0) + 1
+        seqs = sum(s.batch_size for s in steps)
+        if seqs:
+            dep.context_per_seq = _ema(dep.context_per_seq, sum(s.context_tokens for s in steps) / seqs,
+                                       dt, LOAD_HALF_LIFE_S)
+            dep.prefill_per_step = _ema(dep.prefill_per_step,
+                                        float(np.mean([s.prefill_tokens for s in steps])), dt, LOAD_HALF_LIFE_S)
+
+    # ------------------------------------------------------------------ decisions
+    def _costs(self, dep: _Deployment, caps: EngineCapabilities, now: float) -> CostTable:
+        stale = now - dep.costs_built_at >= self.config.period_s or dep.costs_version != dep.model_version
+        wanted = candidate_configs(caps.max_k, caps.supports_trees)
+        if dep.costs is None or stale or [str(c) for c in dep.costs.configs] != [str(c) for c in wanted] \
+                or dep.costs.max_batch != caps.max_batch_size:
+            dep.costs = CostTable.build(dep.step_model, wanted, caps.max_batch_size,
+                                        dep.context_per_seq or 256.0, dep.prefill_per_step or 0.0)
+            dep.costs_built_at, dep.costs_version = now, dep.model_version
+        return dep.costs
+
+    def decide(self, replica_id: str, now: float) -> Decision | None:
+        rep = self.replicas[replica_id]
+        dep = self.deployments[rep.model_id]
+        costs = self._costs(dep, rep.capabilities, now)
+        marginal = rep.acceptance.marginal_rates()
+        expected = np.array([expected_accepted_length(c, marginal) for c in costs.configs])
+        decision = search_policy(
+            costs, expected, rate=rep.rate or 0.0, output_tokens=rep.output_tokens or 128.0,
+            objective=self.objective, current=rep.policy_in_force, hysteresis=self.config.hysteresis,
+            version=max(time.time_ns() // 1_000_000, rep.policy_in_force.version + 1),
+            replica_id=replica_id)
+        decision = self._explore(decision, rep, dep, now)
+        rep.decision = decision
+        self.decisions += 1
+        return decision
+
+    def _explore(self, decision: Decision, rep: _Replica, dep: _Deployment, now: float) -> Decision:
+        """Run another config than the chosen one for one period, in the bucket the replica
+        runs in now, when the models cannot know the answer without trying:
+        - an unmeasured neighbour (k-1, then k+1): the step-time model cannot tell from data
+          how a config never seen at this batch would do (a chain3 step at batch 48 says
+          nothing about the cost of `off` there);
+        - chain1 every `probe_every_s` while the bucket is off: with no drafts the
+          acceptance model learns nothing, and the workload may have changed."""
+        if rep.batch is None:
+            return decision
+        caps = rep.capabilities
+        lo = _bucket_of(max(int(round(rep.batch)), 1), caps.max_batch_size)
+        chosen = decision.policy.config_for(lo)
+        if not chosen.is_chain:
+            return decision
+        trial = None
+        for k in (chosen.depth - 1, chosen.depth + 1):
+            if 0 <= k <= caps.max_k and dep.seen.get((lo, str(SpecConfig.chain(k))), 0) < EXPLORE_STEPS:
+                trial = SpecConfig.chain(k)
+                break
+        if trial is None and chosen.is_off and caps.max_k >= 1 and now - rep.last_probe >= self.config.probe_every_s:
+            trial = SpecConfig.chain(1)
+        if trial is None:
+            return decision
+        if trial.depth and chosen.is_off:
+            rep.last_probe = now
+        policy = _with_bucket(decision.policy, lo, _bucket_hi(lo, caps.max_batch_size), trial)
+        return decision.model_copy(update={"policy": policy, "changed": str(policy) != str(rep.policy_in_force)})
+
+    # ------------------------------------------------------------------ upkeep
+    def refit_jobs(self) -> dict[str, StepTimeModel]:
+        """Copies of the step-time models that gained 10% new samples since their last fit;
+        fit them anywhere (a thread), then hand them to install_fit."""
+        jobs = {}
+        for model_id, dep in self.deployments.items():
+            n = len(dep.step_model.y)
+            if n >= 8 and n >= 1.1 * dep.samples_at_fit:
+                jobs[model_id] = dataclasses.replace(dep.step_model, x=list(dep.step_model.x),
+                                                     y=list(dep.step_model.y))
+        return jobs
+
+    def install_fit(self, model_id: str, fitted: StepTimeModel) -> None:
+        dep = self.deployments[model_id]
+        dep.step_model.coef, dep.step_model.booster = fitted.coef, fitted.booster
+        dep.step_model.report = fitted.report
+        dep.samples_at_fit = len(fitted.y)
+        dep.model_version += 1
+
+    def refit(self) -> dict[str, FitReport]:
+        """Refit in place (the simulator; the actor fits the jobs in a thread)."""
+        reports = {}
+        for model_id, job in self.refit_jobs().items():
+            reports[model_id] = job.fit()
+            self.install_fit(model_id, job)
+        return reports
+
+    def drop_stale(self, now: float) -> list[str]:
+        gone = [rid for rid, r in self.replicas.items() if now - r.last_seen > self.config.replica_timeout_s]
+        for rid in gone:
+            del self.replicas[rid]
+        return gone
+
+    def view(self, now: float | None = None) -> ControllerView:
+        now = time.time() if now is None else now
+        views = []
+        for rid, rep in self.replicas.items():
+            dep = self.deployments[rep.model_id]
+            measured = predicted = None
+            if rep.recent_steps:
+                measured = float(np.mean([s.duration_s for s in rep.recent_steps]))
+                predicted = float(np.mean(dep.step_model.predict([step_features(s) for s in rep.recent_steps])))
+            d = rep.decision
+            rates = rep.acceptance.conditional_rates()[: rep.capabilities.max_k, 0]
+            configs = candidate_configs(rep.capabilities.max_k, rep.capabilities.supports_trees)
+            views.append(ReplicaView(
+                replica_id=rid, model_id=rep.model_id, seconds_since_report=now - rep.last_seen,
+                arrival_rate=rep.rate or 0.0, mean_batch=rep.batch or 0.0,
+                output_tokens=rep.output_tokens or 0.0,
+                conditional_acceptance=[round(float(r), 4) for r in rates],
+                expected_length={str(c): round(rep.acceptance.expected_length(c), 4) for c in configs},
+                policy_in_force=str(rep.policy_in_force),
+                chosen_policy=str(d.policy) if d else None, decision_ms=1000 * d.elapsed_s if d else None,
+                operating_batch=d.operating_batch if d else None,
+                predicted_latency_s=d.predicted_latency_s if d else None,
+                measured_step_s=measured, predicted_step_s=predicted))
+        return ControllerView(
+            paused=self.paused, restored_from_checkpoint=self.restored, decisions=self.decisions,
+            policies_pushed=self.pushed, replicas=views,
+            step_time_models={m: d.step_model.report for m, d in self.deployments.items()})
+
+    # ------------------------------------------------------------------ checkpoint
+    def state(self) -> dict:
+        """Everything a restarted controller needs (picklable)."""
+        return {"replicas": self.replicas, "deployments": self.deployments, "paused": self.paused,
+                "decisions": self.decisions, "pushed": self.pushed}
+
+    def load_state(self, state: dict) -> None:
+        self.replicas = state["replicas"]
+        self.deployments = state["deployments"]
+        self.paused = state["paused"]
+        self.decisions = state["decisions"]
+        self.pushed = state["pushed"]
+        for dep in self.deployments.values():
+            dep.costs = None  # rebuilt from the restored model
+        self.restored = True

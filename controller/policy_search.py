@@ -1,0 +1,170 @@
+"""Policy search: the speculation config for every batch-size bucket of one replica.
+
+For a batch of b sequences under config c, with E(c) tokens accepted per sequence per step
+(acceptance model) and a step time t(b, c) (step-time model):
+- goodput (accepted tokens/s) = b * E(c) / t(b, c)
+- TPOT (seconds per output token) = t(b, c) / E(c)
+At a fixed batch the two rank configs alike; they differ from the latency objective, which
+compares whole tables at the batch the table itself causes (latency.operating_point), and
+from the SLO objective (most goodput with TPOT <= SLO).
+
+Step times for every (batch size, config) of a deployment come from one model call per
+control period (`CostTable`); a replica's decision is then a few numpy operations.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+from adaspec.policy import OPEN_END, PolicyRule, SpecConfig, SpecPolicy
+from controller.latency import OperatingPoint, operating_point, request_latency
+from controller.step_time import StepTimeModel, decode_features, monotone_table
+
+TREE_SHAPES = [(2,), (2, 1), (2, 2), (3, 1), (3, 1, 1), (2, 2, 1), (4, 2, 1), (2, 2, 1, 1),
+               (3, 2, 1, 1), (4, 2, 2, 1), (2, 2, 2, 2), (4, 2, 1, 1, 1, 1)]
+
+
+class BucketChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    batch_lo: int
+    batch_hi: int
+    config: str
+    tokens_per_s: float  # predicted accepted tokens/s of the whole batch
+    tpot_s: float  # predicted seconds per output token
+
+
+class Decision(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    policy: SpecPolicy
+    changed: bool  # differs from the policy in force
+    buckets: list[BucketChoice]
+    operating_batch: float  # predicted mean batch at the replica's arrival rate
+    predicted_latency_s: float  # predicted mean request latency there (inf: saturated)
+    elapsed_s: float  # decision time
+
+
+@dataclass(frozen=True)
+class Objective:
+    kind: Literal["goodput", "latency", "tpot_slo"] = "goodput"
+    tpot_slo_s: float | None = None
+
+
+def batch_buckets(max_batch: int) -> list[tuple[int, int]]:
+    """1, 2, 3-4, 5-8, ... up to max_batch: finer where the best k changes fastest."""
+    buckets, lo = [(1, 1)], 2
+    while lo <= max_batch:
+        hi = min(2 * (lo - 1), max_batch)
+        buckets.append((lo, hi))
+        lo = hi + 1
+    return buckets
+
+
+def candidate_configs(max_k: int, supports_trees: bool) -> list[SpecConfig]:
+    configs = [SpecConfig.off()] + [SpecConfig.chain(k) for k in range(1, max_k + 1)]
+    if supports_trees:
+        configs += [SpecConfig.tree(w) for w in TREE_SHAPES if len(w) <= max_k]
+    return configs
+
+
+@dataclass
+class CostTable:
+    """Predicted step time (seconds) for batch sizes 0..max_batch x candidate configs."""
+
+    configs: list[SpecConfig]
+    step_s: np.ndarray  # [max_batch + 1, len(configs)]; row 0 unused
+
+    @classmethod
+    def build(cls, model: StepTimeModel, configs: list[SpecConfig], max_batch: int,
+              context_per_seq: float, prefill_per_step: float) -> CostTable:
+        rows = [decode_features(b, c, context_per_seq, prefill_per_step)
+                for b in range(1, max_batch + 1) for c in configs]
+        predicted = monotone_table(model.predict(rows).reshape(max_batch, len(configs)))
+        return cls(configs, np.vstack([predicted[:1], predicted]))
+
+    @property
+    def max_batch(self) -> int:
+        return self.step_s.shape[0] - 1
+
+
+def _table_latency(costs: CostTable, choice_of_batch: np.ndarray, expected: np.ndarray,
+                   rate: float, output_tokens: float) -> OperatingPoint:
+    def latency_at(batch: float) -> float:
+        b = min(max(int(math.ceil(batch)), 1), costs.max_batch)
+        c = choice_of_batch[b]
+        return request_latency(float(costs.step_s[b, c]), float(expected[c]), output_tokens)
+
+    return operating_point(rate, latency_at, costs.max_batch)
+
+
+def search_policy(costs: CostTable, expected: np.ndarray, rate: float, output_tokens: float,
+                  objective: Objective = Objective(), current: SpecPolicy | None = None,
+                  hysteresis: float = 0.03, version: int = 0, replica_id: str | None = None) -> Decision:
+    """Best config per bucket for one replica.
+
+    expected[i]: E of costs.configs[i] from the replica's acceptance model; rate: arrivals
+    (requests/s); output_tokens: mean output length (tokens); hysteresis: a bucket switches
+    only if the predicted gain over the config in force exceeds this fraction."""
+    start = time.perf_counter()
+    step = costs.step_s[1:]  # [b - 1, config]
+    batch = np.arange(1, costs.max_batch + 1, dtype=float)[:, None]
+    tokens_per_s = batch * expected[None, :] / step
+    tpot = step / expected[None, :]
+    names = [str(c) for c in costs.configs]
+
+    if objective.kind == "tpot_slo" and objective.tpot_slo_s is not None:
+        # Any config within the SLO beats every config outside it; outside, the fastest wins.
+        score = np.where(tpot <= objective.tpot_slo_s, tokens_per_s, -1e12 - tpot)
+    else:
+        score = tokens_per_s
+
+    choice = np.zeros(costs.max_batch + 1, dtype=int)
+    buckets = batch_buckets(costs.max_batch)
+    for lo, hi in buckets:
+        rows = slice(lo - 1, hi)
+        bucket_score = score[rows].mean(axis=0)
+        best = int(np.argmax(bucket_score))
+        if current is not None:
+            in_force = str(current.config_for(lo))
+            if in_force in names:
+                cur = names.index(in_force)
+                gain = (bucket_score[best] - bucket_score[cur]) / max(abs(bucket_score[cur]), 1e-12)
+                if gain <= hysteresis:
+                    best = cur
+        choice[lo: hi + 1] = best
+    choice[0] = choice[1]
+
+    point = _table_latency(costs, choice, expected, rate, output_tokens)
+    if objective.kind == "latency":
+        # Compare whole tables at the batch each causes: uniform ones against the per-bucket one.
+        for i in range(len(costs.configs)):
+            uniform = np.full_like(choice, i)
+            candidate = _table_latency(costs, uniform, expected, rate, output_tokens)
+            if candidate.latency_s < point.latency_s * (1 - hysteresis):
+                choice, point = uniform, candidate
+
+    rules, out_buckets = [], []
+    for lo, hi in buckets:
+        c = int(choice[lo])
+        b = slice(lo - 1, hi)
+        out_buckets.append(BucketChoice(batch_lo=lo, batch_hi=hi, config=names[c],
+                                        tokens_per_s=float(tokens_per_s[b, c].mean()),
+                                        tpot_s=float(tpot[b, c].mean())))
+        if rules and rules[-1][2] == c:
+            rules[-1][1] = hi
+        else:
+            rules.append([lo, hi, c])
+    rules[-1][1] = OPEN_END
+    policy = SpecPolicy(version=version, replica_id=replica_id, rules=tuple(
+        PolicyRule(batch_lo=lo, batch_hi=hi, config=costs.configs[c]) for lo, hi, c in rules))
+    changed = current is None or str(policy) != str(current)
+    return Decision(policy=policy, changed=changed, buckets=out_buckets,
+                    operating_batch=point.batch, predicted_latency_s=point.latency_s,
+                    elapsed_s=time.perf_counter() - start)

@@ -1,0 +1,134 @@
+"""Step-time model: how long one engine step takes, for any batch and speculation config.
+
+Features of a step (AdaTree, seed 001; papers.md section 3):
+- batch_size: requests in the step
+- tokens_per_seq: tokens each decoding sequence runs through the target (1 + draft tokens
+  verified); the memory-bound -> compute-bound knee lies along batch_size * tokens_per_seq
+- draft_passes: drafter passes for the next step (the config's depth)
+- context_tokens: KV tokens the batch attends to
+- prefill_tokens: prompt tokens processed in the same step
+
+The model is a linear roofline fitted by non-negative least squares (so never faster with
+more of anything, and it extrapolates: a controller that has only seen chain3 at batch 48
+must still price `off` there), times a learned correction: once `min_samples_xgb` steps are
+known, an XGBoost regressor fits the log-ratio of measured to roofline time (the non-linear
+memory-bound -> compute-bound knee), starting from the roofline as its base margin. Before
+any data, a prior roofline. `monotone_table` enforces the physics on predictions the
+controller uses (not faster with a larger batch or more draft tokens). Held-out accuracy is
+reported at every fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from adaspec.policy import SpecConfig
+from adaspec.telemetry import StepRecord
+
+FEATURES = ("batch_size", "tokens_per_seq", "draft_passes", "context_tokens", "prefill_tokens")
+
+
+def step_features(step: StepRecord) -> list[float]:
+    """The model's features of a recorded step."""
+    decode = step.num_decode_reqs
+    tokens_per_seq = (step.scheduled_tokens - step.prefill_tokens) / decode if decode else 0.0
+    return [float(step.batch_size), tokens_per_seq, float(SpecConfig.parse(step.config).depth),
+            float(step.context_tokens), float(step.prefill_tokens)]
+
+
+def decode_features(batch: int, config: SpecConfig, context_per_seq: float,
+                    prefill_per_step: float = 0.0) -> list[float]:
+    """Features of a steady-state decode step of `batch` sequences under `config`."""
+    return [float(batch), 1.0 + config.num_nodes, float(config.depth),
+            batch * context_per_seq, prefill_per_step]
+
+
+@dataclass
+class FitReport:
+    kind: str  # prior | linear | xgboost
+    samples: int
+    holdout_samples: int
+    holdout_mape: float | None  # mean absolute percentage error on held-out steps
+
+
+def _roofline_design(x: np.ndarray) -> np.ndarray:
+    """Columns of the linear roofline: fixed cost, target tokens, KV reads, prefill, drafting."""
+    batch, tokens, passes, context, prefill = x.T
+    return np.column_stack([np.ones(len(x)), batch * tokens, context, prefill, passes, passes * batch])
+
+
+@dataclass
+class StepTimeModel:
+    """Predicts engine step duration (seconds) from step features."""
+
+    min_samples_xgb: int = 200
+    max_samples: int = 50_000
+    prior_coef: tuple[float, ...] = (0.05, 0.002, 0.0, 0.0002, 0.005, 0.0)  # seconds per unit
+    x: list[list[float]] = dataclasses.field(default_factory=list)
+    y: list[float] = dataclasses.field(default_factory=list)
+    coef: np.ndarray | None = None
+    booster: object | None = None  # xgboost.Booster
+    report: FitReport = dataclasses.field(default_factory=lambda: FitReport("prior", 0, 0, None))
+
+    def add(self, steps: list[StepRecord]) -> None:
+        for s in steps:
+            if s.duration_s > 0:
+                self.x.append(step_features(s))
+                self.y.append(s.duration_s)
+        if len(self.y) > self.max_samples:  # keep the newest
+            del self.x[: len(self.y) - self.max_samples]
+            del self.y[: len(self.y) - self.max_samples]
+
+    def fit(self, holdout_fraction: float = 0.2, seed: int = 0) -> FitReport:
+        """Refit on everything known; report the error on a random held-out share."""
+        n = len(self.y)
+        if n < 8:
+            self.report = FitReport("prior", n, 0, None)
+            return self.report
+        x, y = np.asarray(self.x), np.asarray(self.y)
+        rng = np.random.default_rng(seed)
+        test = rng.random(n) < holdout_fraction
+        if test.all() or not test.any():
+            test[: max(1, n // 5)] = True
+        kind = "xgboost" if n >= self.min_samples_xgb else "linear"
+        predictor = self._train(kind, x[~test], y[~test])
+        mape = float(np.mean(np.abs(predictor(x[test]) - y[test]) / y[test]))
+        self._train(kind, x, y)  # the model in use learns from every sample
+        self.report = FitReport(kind, int(n), int(test.sum()), mape)
+        return self.report
+
+    def _train(self, kind: str, x: np.ndarray, y: np.ndarray):
+        from scipy.optimize import nnls
+
+        self.coef, _ = nnls(_roofline_design(x), y)
+        self.booster = None
+        if kind == "xgboost":
+            import xgboost
+
+            params = {"max_depth": 4, "eta": 0.05, "subsample": 0.9, "tree_method": "hist",
+                      "objective": "reg:squarederror", "nthread": 1, "seed": 0}
+            # Relative error matters (a 5 ms step and a 500 ms step alike): fit log time,
+            # as a correction on top of the roofline.
+            data = xgboost.DMatrix(x, label=np.log(y), base_margin=self._log_roofline(x))
+            self.booster = xgboost.train(params, data, num_boost_round=300)
+        return self.predict
+
+    def predict(self, x: np.ndarray | list[list[float]]) -> np.ndarray:
+        """Step durations (seconds) for rows of features."""
+        x = np.asarray(x, dtype=float)
+        if self.booster is not None:
+            return np.exp(self.booster.inplace_predict(x, base_margin=self._log_roofline(x)))
+        return np.exp(self._log_roofline(x))
+
+    def _log_roofline(self, x: np.ndarray) -> np.ndarray:
+        coef = self.coef if self.coef is not None else np.asarray(self.prior_coef)
+        return np.log(np.maximum(_roofline_design(x) @ coef, 1e-4))
+
+
+def monotone_table(step_s: np.ndarray) -> np.ndarray:
+    """Running maximum along the batch axis (axis 0): a step never gets faster with more
+    sequences. Rows are batch sizes, columns configs."""
+    return np.maximum.accumulate(step_s, axis=0)

@@ -1,0 +1,121 @@
+"""ControllerCore with a simulated replica (a stand-in engine: synthetic step times and
+acceptance, no Ray, no vLLM): decisions follow load and acceptance, silent replicas are
+dropped, a checkpoint restores models and policies."""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+
+from adaspec.policy import SpecConfig, SpecPolicy
+from adaspec.telemetry import EngineCapabilities, ReplicaTelemetry, StepRecord
+from controller.config import ControllerConfig
+from controller.core import ControllerCore
+from tests.test_controller_math import synthetic_step_time
+
+CAPS = EngineCapabilities(engine="vllm", max_batch_size=64, max_k=4, supports_trees=False, draft_method="ngram")
+
+
+class SimulatedReplica:
+    """Steps of a fixed batch under the policy it is given, with i.i.d. acceptance alpha."""
+
+    def __init__(self, replica_id: str, alpha: float, seed: int = 0):
+        self.replica_id, self.alpha = replica_id, alpha
+        self.policy = SpecPolicy.parse("chain2")
+        self.rng = np.random.default_rng(seed)
+
+    def telemetry(self, start: float, seconds: float, batch: int, arrivals: int) -> ReplicaTelemetry:
+        steps, t = [], start
+        k_prev = self.policy.config_for(batch).depth
+        while t < start + seconds:
+            cfg = self.policy.config_for(batch)
+            duration = synthetic_step_time(batch, 1 + k_prev, cfg.depth, batch * 300, 0)
+            t += duration
+            drafted = [batch] * k_prev
+            accepted, alive = [], batch
+            for _ in range(k_prev):
+                alive = int(self.rng.binomial(alive, self.alpha))
+                accepted.append(alive)
+            steps.append(StepRecord(
+                time=t, duration_s=duration, batch_size=batch, num_decode_reqs=batch,
+                scheduled_tokens=batch * (1 + k_prev), prefill_tokens=0, context_tokens=batch * 300,
+                config=str(cfg), policy_version=self.policy.version, num_drafts=batch if k_prev else 0,
+                drafted_per_pos=drafted, accepted_per_pos=accepted))
+            k_prev = cfg.depth
+        return ReplicaTelemetry(
+            replica_id=self.replica_id, model_id="m", capabilities=CAPS, window_start=start,
+            window_end=start + seconds, arrivals=arrivals, finished=arrivals, queue_length=0,
+            running=batch, policy=self.policy, steps=steps)
+
+    def run(self, core: ControllerCore, start: float, periods: int, batch: int, arrivals: int) -> float:
+        t = start
+        self.history: list[SpecPolicy] = []
+        for _ in range(periods):
+            tel = self.telemetry(t, 1.0, batch, arrivals)
+            t += 1.0
+            policy = core.report(tel, now=t)
+            if policy is not None:
+                self.policy = policy
+            self.history.append(self.policy)
+            core.refit()
+        return t
+
+
+def test_controller_speculates_at_low_load_and_stops_at_high_load():
+    core = ControllerCore(ControllerConfig(enabled=True, half_life_s=5.0, hysteresis=0.03))
+    replica = SimulatedReplica("r1", alpha=0.6)
+    t = replica.run(core, 1000.0, periods=30, batch=1, arrivals=1)
+    low_k = replica.policy.config_for(1).depth
+    assert low_k >= 2, replica.policy
+    # Saturating load: big batches; the k in force at the running batch falls.
+    t = replica.run(core, t, periods=30, batch=48, arrivals=40)
+    assert replica.policy.config_for(48).depth < low_k, replica.policy
+    # Acceptance collapses: speculation turns off within a few half-lives; afterwards it is
+    # switched on only for the periodic one-period probes.
+    replica.alpha = 0.01
+    t = replica.run(core, t, periods=70, batch=1, arrivals=1)
+    late = replica.history[30:]  # six half-lives after the change
+    off = sum(p.config_for(1).is_off for p in late)
+    assert off >= 0.8 * len(late), [str(p) for p in late]
+    assert all(p.config_for(48).is_off for p in late)
+    view = core.view(now=t)
+    (r,) = view.replicas
+    assert r.policy_in_force == str(replica.policy)
+    assert view.step_time_models["m"].kind in ("linear", "xgboost")
+
+
+def test_silent_replicas_are_dropped():
+    core = ControllerCore(ControllerConfig(enabled=True, replica_timeout_s=3.0))
+    a, b = SimulatedReplica("a", 0.5), SimulatedReplica("b", 0.5, seed=1)
+    core.report(a.telemetry(0.0, 1.0, 1, 1), now=1.0)
+    core.report(b.telemetry(0.0, 1.0, 1, 1), now=1.0)
+    core.report(a.telemetry(1.0, 4.0, 1, 1), now=5.0)
+    assert core.drop_stale(now=5.0) == ["b"]
+    assert [r.replica_id for r in core.view(now=5.0).replicas] == ["a"]
+
+
+def test_paused_controller_pushes_nothing():
+    core = ControllerCore(ControllerConfig(enabled=True))
+    core.paused = True
+    replica = SimulatedReplica("r1", alpha=0.9)
+    assert core.report(replica.telemetry(0.0, 1.0, 1, 1), now=1.0) is None
+
+
+def test_checkpoint_restores_models_and_policies():
+    core = ControllerCore(ControllerConfig(enabled=True, half_life_s=5.0))
+    replica = SimulatedReplica("r1", alpha=0.6)
+    t = replica.run(core, 0.0, periods=20, batch=4, arrivals=3)
+    blob = pickle.dumps(core.state())
+    restored = ControllerCore(ControllerConfig(enabled=True, half_life_s=5.0))
+    restored.load_state(pickle.loads(blob))
+    assert restored.restored
+    before, after = core.view(now=t), restored.view(now=t)
+    assert after.replicas[0].policy_in_force == before.replicas[0].policy_in_force
+    assert after.replicas[0].conditional_acceptance == before.replicas[0].conditional_acceptance
+    rows = [[4.0, 3.0, 2.0, 1200.0, 0.0], [32.0, 1.0, 0.0, 9600.0, 0.0]]
+    assert np.allclose(restored.deployments["m"].step_model.predict(rows),
+                       core.deployments["m"].step_model.predict(rows))
+    # The restored controller keeps deciding from where it stopped.
+    assert restored.decide("r1", now=t + 1.0).policy.config_for(4) == SpecConfig.parse(
+        str(core.decide("r1", now=t + 1.0).policy.config_for(4)))

@@ -1,0 +1,155 @@
+"""Step-time model, latency model and policy search, on a synthetic engine (no Ray, no vLLM).
+
+`synthetic_step_time` is a stand-in for a real engine's cost: a memory-bound floor and a
+compute slope in batch x tokens (the Su et al. shape), used to check that the models learn
+it and that the search picks long chains for small batches and none for large ones."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from adaspec.policy import PolicyRule, SpecConfig, SpecPolicy
+from adaspec.telemetry import StepRecord
+from controller.acceptance import expected_accepted_length, marginal_from_conditional
+from controller.latency import (
+    LatencyCoefficients,
+    break_even_rate,
+    fit_latency_coefficients,
+    operating_point,
+)
+from controller.policy_search import CostTable, Objective, batch_buckets, candidate_configs, search_policy
+from controller.step_time import StepTimeModel, decode_features
+
+
+def synthetic_step_time(batch, tokens, passes, context, prefill):
+    """Seconds: max(memory floor, compute) + KV reads + drafting, the roofline's knee."""
+    compute = 0.0009 * batch * tokens
+    return max(0.04, compute) + 2e-6 * context + 0.00005 * prefill + 0.002 * passes
+
+
+def synthetic_steps(rng, n=600):
+    steps = []
+    for _ in range(n):
+        batch = int(rng.integers(1, 65))
+        k = int(rng.integers(0, 5))
+        context = batch * int(rng.integers(50, 800))
+        prefill = int(rng.choice([0, 0, 0, 64, 256]))
+        duration = synthetic_step_time(batch, 1 + k, k, context, prefill) * rng.lognormal(0, 0.03)
+        steps.append(StepRecord(time=0, duration_s=duration, batch_size=batch, num_decode_reqs=batch,
+                                scheduled_tokens=batch * (1 + k) + prefill, prefill_tokens=prefill,
+                                context_tokens=context, config=str(SpecConfig.chain(k)), policy_version=0))
+    return steps
+
+
+def test_step_time_model_learns_the_roofline():
+    rng = np.random.default_rng(0)
+    model = StepTimeModel(min_samples_xgb=200)
+    model.add(synthetic_steps(rng, 40))
+    assert model.fit().kind == "linear"
+    model.add(synthetic_steps(rng, 1500))
+    report = model.fit()
+    assert report.kind == "xgboost" and report.holdout_mape < 0.08, report
+    # The table the controller uses is monotone: never faster with a larger batch.
+    configs = [SpecConfig.chain(k) for k in (0, 2, 4)]
+    table = CostTable.build(model, configs, max_batch=64, context_per_seq=300, prefill_per_step=0)
+    assert np.all(np.diff(table.step_s[1:], axis=0) >= 0)
+
+
+def test_latency_fixed_point_matches_littles_law():
+    coeffs = LatencyCoefficients(c1_s=2.0, c2_s=0.1)
+    for rate in (0.5, 2.0, 5.0, 9.0):
+        point = operating_point(rate, lambda b: coeffs.c1_s + b * coeffs.c2_s, max_batch=10_000)
+        assert point.latency_s == pytest.approx(coeffs.mean_latency(rate), rel=1e-3)
+        assert point.batch == pytest.approx(coeffs.batch(rate), rel=1e-3)
+    assert operating_point(11.0, lambda b: 2.0 + 0.1 * b, max_batch=256).saturated
+    fitted = fit_latency_coefficients(np.array([1, 4, 8, 16]), 2.0 + 0.1 * np.array([1, 4, 8, 16]))
+    assert fitted.c1_s == pytest.approx(2.0) and fitted.c2_s == pytest.approx(0.1)
+    # Speculation halves the empty-server latency but costs more per request: it loses
+    # beyond the break-even rate, and there the two latencies are equal.
+    base, spec = LatencyCoefficients(2.0, 0.10), LatencyCoefficients(1.0, 0.15)
+    rate = break_even_rate(base, spec)
+    assert spec.mean_latency(rate) == pytest.approx(base.mean_latency(rate))
+    assert spec.mean_latency(rate * 0.5) < base.mean_latency(rate * 0.5)
+    assert spec.mean_latency(rate * 1.1) > base.mean_latency(rate * 1.1)
+
+
+def _costs(max_batch=64, context=300.0):
+    configs = candidate_configs(max_k=4, supports_trees=False)
+    step = np.array([[synthetic_step_time(b, 1 + c.num_nodes, c.depth, b * context, 0) for c in configs]
+                     for b in range(max_batch + 1)])
+    return CostTable(configs, step)
+
+
+def _expected(costs, alpha):
+    q = marginal_from_conditional(np.full((16, 8), alpha))
+    return np.array([expected_accepted_length(c, q) for c in costs.configs])
+
+
+def test_search_speculates_when_idle_and_stops_when_busy():
+    costs = _costs()
+    decision = search_policy(costs, _expected(costs, 0.5), rate=1.0, output_tokens=128)
+    policy = decision.policy
+    assert policy.config_for(1).depth >= 3            # memory-bound: a long chain
+    assert policy.config_for(64).is_off               # compute-bound: verification costs too much
+    depths = [policy.config_for(b).depth for b in range(1, 65)]
+    assert depths == sorted(depths, reverse=True)     # k falls as the batch grows
+    # With acceptance this low nothing pays, at any batch.
+    assert str(search_policy(costs, _expected(costs, 0.02), 1.0, 128).policy) == "1+:off"
+
+
+def test_hysteresis_keeps_a_nearly_as_good_policy():
+    costs = _costs()
+    expected = _expected(costs, 0.8)
+    best = search_policy(costs, expected, 1.0, 128).policy
+    assert not search_policy(costs, expected, 1.0, 128, current=best).changed
+    # The same table but batch 1 runs one draft token fewer: slightly worse.
+    k1 = best.config_for(1).depth
+    rules = [PolicyRule(batch_lo=1, batch_hi=1, config=SpecConfig.chain(k1 - 1))] + [
+        PolicyRule(batch_lo=max(r.batch_lo, 2), batch_hi=r.batch_hi, config=r.config)
+        for r in best.rules if r.batch_hi >= 2]
+    current = SpecPolicy(version=0, rules=tuple(rules))
+    kept = search_policy(costs, expected, 1.0, 128, current=current, hysteresis=1.0)
+    assert not kept.changed and str(kept.policy) == str(current)
+    moved = search_policy(costs, expected, 1.0, 128, current=current, hysteresis=0.0)
+    assert moved.changed and str(moved.policy) == str(best)
+
+
+def test_tpot_slo_objective_respects_the_slo():
+    costs = _costs()
+    expected = _expected(costs, 0.6)
+    slo = 0.03
+    decision = search_policy(costs, expected, 1.0, 128, objective=Objective("tpot_slo", slo))
+    for bucket in decision.buckets:
+        feasible = [bucket.tpot_s <= slo]
+        if any(costs.step_s[bucket.batch_lo, i] / expected[i] <= slo for i in range(len(costs.configs))):
+            assert all(feasible), bucket
+
+
+def test_latency_objective_predicts_the_operating_point():
+    costs = _costs()
+    decision = search_policy(costs, _expected(costs, 0.7), rate=2.0, output_tokens=100,
+                             objective=Objective("latency"))
+    assert 1.0 <= decision.operating_batch <= 64
+    assert decision.predicted_latency_s > 0
+
+
+def test_decision_takes_under_10_ms():
+    costs = _costs(max_batch=256)
+    expected = _expected(costs, 0.7)
+    current = SpecPolicy.parse("chain2")
+    search_policy(costs, expected, 3.0, 128, current=current)  # warm
+    start = time.perf_counter()
+    for _ in range(50):
+        search_policy(costs, expected, 3.0, 128, current=current)
+    per_decision = (time.perf_counter() - start) / 50
+    print(f"decision: {1000 * per_decision:.2f} ms")
+    assert per_decision < 0.010
+
+
+def test_buckets_cover_every_batch():
+    buckets = batch_buckets(100)
+    assert buckets[0] == (1, 1) and buckets[-1][1] == 100
+    assert all(b[0] == a[1] + 1 for a, b in zip(buckets, buckets[1:]))
