@@ -32,7 +32,9 @@ logger = logging.getLogger("adaspec.controller")
 
 
 def checkpoint_dir(config: ControllerConfig) -> Path:
-    root = config.checkpoint_dir or os.path.join(Path.home(), ".cache", "adaspec", "controller")
+    """config.checkpoint_dir, else $ADASPEC_CONTROLLER_DIR, else ~/.cache/adaspec/controller."""
+    root = (config.checkpoint_dir or os.environ.get("ADASPEC_CONTROLLER_DIR")
+            or os.path.join(Path.home(), ".cache", "adaspec", "controller"))
     return Path(root).expanduser()
 
 

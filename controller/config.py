@@ -22,7 +22,7 @@ class ControllerConfig(BaseModel):
     hysteresis: float = Field(default=0.05, ge=0, description="switch only above this predicted gain")
     checkpoint_dir: str | None = Field(
         default=None, description="where models and policies are saved; default "
-        "~/.cache/adaspec/controller/<app model>")
+        "$ADASPEC_CONTROLLER_DIR or ~/.cache/adaspec/controller")
     profile_path: str | None = Field(
         default=None, description="step records from `adaspec profile` to start the step-time model")
     probe_every_s: float = Field(

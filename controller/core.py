@@ -127,7 +127,13 @@ class _Replica:
     last_seen: float
     rate: float | None = None
     batch: float | None = None
-    output_tokens: float | None = None
+    generated: float = 0.0  # decayed output tokens produced
+    finished: float = 0.0  # decayed requests finished
+
+    @property
+    def output_tokens(self) -> float | None:
+        """Mean output tokens per request; None until enough requests finished."""
+        return self.generated / self.finished if self.finished >= 1.0 else None
     recent_steps: list[StepRecord] = field(default_factory=list)
     decision: Decision | None = None
     last_probe: float = -1e18
@@ -185,9 +191,10 @@ class ControllerCore:
         rep.rate = _ema(rep.rate, tel.arrivals / span, dt, LOAD_HALF_LIFE_S)
         if steps:
             rep.batch = _ema(rep.batch, float(np.mean([s.batch_size for s in steps])), dt, LOAD_HALF_LIFE_S)
-            if tel.finished:
-                generated = sum(s.num_decode_reqs + sum(s.accepted_per_pos) for s in steps)
-                rep.output_tokens = _ema(rep.output_tokens, generated / tel.finished, dt, LOAD_HALF_LIFE_S)
+        # Decayed totals, not a mean of per-report ratios: a report often ends no request.
+        keep = 0.5 ** (max(dt, 0.0) / (4 * LOAD_HALF_LIFE_S))
+        rep.generated = keep * rep.generated + sum(s.num_decode_reqs + sum(s.accepted_per_pos) for s in steps)
+        rep.finished = keep * rep.finished + tel.finished
 
         dep = self.deployments.get(tel.model_id)
         if dep is None:

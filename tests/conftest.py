@@ -26,8 +26,11 @@ def server(tmp_path_factory):
     """The default app, started exactly as the README says (`serve run configs/app.yaml`)."""
     if _port_in_use(8000):
         pytest.fail("port 8000 is in use; stop the other server first")
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    proc = ServeProcess(REPO / "configs" / "app.yaml", URL, log)
+    workdir = tmp_path_factory.mktemp("serve")
+    log = workdir / "serve.log"
+    # A fresh controller checkpoint: the session must not resume from a developer's own.
+    proc = ServeProcess(REPO / "configs" / "app.yaml", URL, log,
+                        env={"ADASPEC_CONTROLLER_DIR": str(workdir / "controller")})
     start = time.monotonic()
     proc.start()
     try:
@@ -49,6 +52,17 @@ def server(tmp_path_factory):
 def client(server):
     with httpx.Client(base_url=URL, timeout=300) as c:
         yield c
+
+
+def pytest_collection_modifyitems(items):
+    """Tests marked `last` (they kill a replica) run after every other test."""
+    items.sort(key=lambda item: item.get_closest_marker("last") is not None)
+
+
+def set_controller(client: httpx.Client, action: str) -> dict:
+    resp = client.post("/admin/controller", json={"action": action})
+    assert resp.status_code == 200, resp.text
+    return resp.json()
 
 
 def push_policy(client: httpx.Client, table: str, version: int | None = None) -> list[dict]:

@@ -54,8 +54,10 @@ def live_engine_processes() -> list[str]:
 
 
 class ServeProcess:
-    def __init__(self, config: Path, url: str, log_path: Path, command: list[str] | None = None):
+    def __init__(self, config: Path, url: str, log_path: Path, command: list[str] | None = None,
+                 env: dict[str, str] | None = None):
         self.config = config
+        self.extra_env = env or {}
         self.url = url
         self.log_path = log_path
         bindir = Path(sys.executable).parent
@@ -64,7 +66,7 @@ class ServeProcess:
 
     def start(self) -> None:
         self._log = open(self.log_path, "w")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env}
         self.proc = subprocess.Popen(self.command, cwd=REPO, stdout=self._log,
                                      stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                      preexec_fn=_default_sigint)

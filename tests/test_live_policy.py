@@ -17,9 +17,20 @@ from pathlib import Path
 import pytest
 
 from adaspec.policy import SpecConfig, SpecPolicy
-from tests.conftest import MODEL, URL, complete, policy_of, push_policy, replica_status
+from tests.conftest import MODEL, URL, complete, policy_of, push_policy, replica_status, set_controller
 
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True, scope="module")
+def controller_paused(server):
+    """These tests set policies by hand; the adaptive controller would override them."""
+    import httpx
+
+    with httpx.Client(base_url=URL, timeout=60) as c:
+        assert set_controller(c, "pause")["paused"]
+        yield
+        set_controller(c, "resume")
 
 REPETITIVE = "one two three four five six, one two three four five six, one two three four"
 PROMPTS = [REPETITIVE, "The capital of France is", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"]

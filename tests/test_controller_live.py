@@ -1,0 +1,136 @@
+"""The adaptive controller on the real stack (configs/app.yaml runs it): it changes a live
+vLLM replica's speculation from measurements, survives its own crash, and forgets dead
+replicas."""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+
+import httpx
+import pytest
+import ray
+
+from adaspec.policy import SpecConfig
+from controller.actor import NAMESPACE, get_controller
+from tests.conftest import MODEL, URL, replica_status, set_controller
+
+pytestmark = pytest.mark.slow
+
+# Greedy decoding with ignore_eos drifts into repetition, which n-gram drafting predicts
+# moderately well: speculation pays for one sequence and costs at a large batch.
+PROMPT = "Write a short story about a cat who learns to fly."
+
+
+class Load:
+    """`concurrency` closed-loop clients sending PROMPT until stopped; counts failures."""
+
+    def __init__(self, concurrency: int, max_tokens: int = 96):
+        self.stop = threading.Event()
+        self.ok = 0
+        self.failures: list[str] = []
+        self.threads = [threading.Thread(target=self._run, args=(max_tokens,)) for _ in range(concurrency)]
+
+    def _run(self, max_tokens: int) -> None:
+        with httpx.Client(base_url=URL, timeout=300) as c:
+            while not self.stop.is_set():
+                try:
+                    r = c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens,
+                                                        "temperature": 0, "ignore_eos": True})
+                    if r.status_code == 200:
+                        self.ok += 1
+                    else:
+                        self.failures.append(f"{r.status_code} {r.text[:200]}")
+                except httpx.HTTPError as e:
+                    self.failures.append(repr(e))
+
+    def __enter__(self) -> Load:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join()
+
+
+def _depths(client, since: float, batch_lo: int, batch_hi: int) -> list[int]:
+    steps = replica_status(client)[0]["steps"]
+    return [SpecConfig.parse(s["config"]).depth for s in steps
+            if s["time"] > since and batch_lo <= s["batch_size"] <= batch_hi]
+
+
+@pytest.fixture(scope="module")
+def ray_client(server):
+    ray.init(address="auto", namespace=NAMESPACE, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_controller_view_is_served(client):
+    set_controller(client, "resume")
+    time.sleep(3)
+    view = client.get("/admin/controller").json()
+    assert not view["paused"]
+    (replica,) = view["replicas"]
+    assert replica["model_id"] == MODEL and replica["seconds_since_report"] < 5
+    assert MODEL in view["step_time_models"]
+
+
+def test_k_follows_the_load(client):
+    set_controller(client, "resume")
+    with Load(1):
+        time.sleep(25)
+        low_since = time.time() - 10
+        low = _depths(client, low_since, 1, 1)
+    with Load(24):
+        time.sleep(45)
+        busy = _depths(client, time.time() - 15, 12, 64)
+    with Load(1):
+        time.sleep(30)
+        again = _depths(client, time.time() - 10, 1, 1)
+    assert low and busy and again, (low, busy, again)
+    k_low, k_busy, k_again = (statistics.median(d) for d in (low, busy, again))
+    print(f"\nmedian k: single stream {k_low}, burst {k_busy}, single stream again {k_again}")
+    assert k_low >= 2, "speculation did not pay for a single stream?"
+    assert k_busy < k_low, "k did not fall at a large batch"
+    assert k_again > k_busy, "k did not rise again at low load"
+
+
+def test_controller_crash_loses_no_request_and_resumes_from_checkpoint(client, ray_client):
+    set_controller(client, "resume")
+    time.sleep(6)  # at least one checkpoint (every 5 periods)
+    before = ray.get(get_controller().view.remote())
+    assert not before.restored_from_checkpoint  # the session started with no checkpoint
+    with Load(4) as load:
+        time.sleep(4)
+        ray.kill(get_controller(), no_restart=False)  # Ray restarts it
+        time.sleep(15)
+    assert not load.failures, load.failures[:3]
+    assert load.ok > 0
+    after = ray.get(get_controller().view.remote(), timeout=30)
+    assert after.restored_from_checkpoint
+    assert after.decisions >= before.decisions - 10  # resumed, not reset (checkpoint lag)
+    assert after.step_time_models[MODEL].samples >= before.step_time_models[MODEL].samples
+    # The replica kept serving and reports to the restarted controller.
+    (replica,) = after.replicas
+    assert replica.seconds_since_report < 5
+
+
+@pytest.mark.last
+def test_dead_replica_is_dropped(client, ray_client):
+    set_controller(client, "resume")
+    rid = replica_status(client)[0]["replica_id"]
+    (name,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+               if a["name"].startswith("SERVE_REPLICA::") and f"#{rid}" in a["name"]]
+    assert rid in [r.replica_id for r in ray.get(get_controller().view.remote()).replicas]
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        ids = [r.replica_id for r in ray.get(get_controller().view.remote()).replicas]
+        if rid not in ids:
+            break
+        time.sleep(1)
+    assert rid not in ids
