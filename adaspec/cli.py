@@ -6,6 +6,10 @@
                               time; and the controller's view (rate, chosen policy, predicted vs
                               measured step time)
   controller show|pause|resume --url URL   the adaptive controller
+  simulate --replicas N --duration S --rate R [--json]   discrete-event simulation of N
+                              replicas and the controller, from fitted models
+  profile --url URL --out DIR  step-time sweep (k x batch) against a live server; fits and
+                              reports the step-time model's held-out error
   policy set --url URL --table "1-2:chain4,3-8:chain2,9+:off"   push a policy to every replica
   policy show --url URL       the policy in force on every replica
 
@@ -20,6 +24,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 
 from adaspec import admin_client
 from adaspec.models import EMBEDDED_MODELS, ModelError, model_folder, prepare_model
@@ -64,6 +69,62 @@ def _cmd_status(args: argparse.Namespace) -> int:
         if not args.watch:
             return 0
         time.sleep(args.watch)
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from adaspec.profile import profile
+
+    summary = profile(args.url, Path(args.out), _int_list(args.ks, "--ks"),
+                      _int_list(args.batches, "--batches"), args.max_tokens, token=args.token)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from controller.actor import CHECKPOINT_FILE, checkpoint_dir
+    from controller.config import ControllerConfig
+    from controller.simulate import SimulatedEngine, engine_from_checkpoint, engine_from_profile, simulate
+    from controller.step_time import StepTimeModel
+
+    if args.profile:
+        engine = engine_from_profile(args.profile, args.max_batch, args.max_k)
+        source = f"profile {args.profile}"
+    else:
+        ckpt = Path(args.checkpoint) if args.checkpoint else checkpoint_dir(ControllerConfig()) / CHECKPOINT_FILE
+        if ckpt.is_file():
+            engine = engine_from_checkpoint(str(ckpt), args.max_batch, args.max_k)
+            source = f"controller checkpoint {ckpt}"
+        else:
+            engine = SimulatedEngine.from_models(StepTimeModel(), [args.acceptance] * args.max_k,
+                                                 args.max_batch, args.max_k)
+            source = "prior roofline (no profile or checkpoint found)"
+    controller = None if args.policy else ControllerConfig(enabled=True, period_s=args.period)
+    if not args.json:
+        print(f"simulating {args.replicas} replicas for {args.duration:.0f} s at {args.rate} req/s; "
+              f"models from {source}; {'policy ' + args.policy if args.policy else 'adaptive controller'}")
+    result = simulate(engine, args.replicas, args.duration, args.rate, controller=controller,
+                      policy=args.policy or "chain2", seed=args.seed, output_tokens=args.output_tokens,
+                      prompt_tokens=args.prompt_tokens, period_s=args.period, warmup_s=args.warmup)
+    if args.json:
+        print(result.model_dump_json(indent=2))
+    else:
+        print(f"simulated {result.simulated_s:.0f} s in {result.wall_s:.1f} s ({result.speed:.2f}x real time); "
+              f"{result.completed} requests; latency mean {result.mean_latency_s:.3f} s, "
+              f"p50 {result.p50_latency_s:.3f} s, p99 {result.p99_latency_s:.3f} s")
+        for policy, n in result.final_policies.items():
+            print(f"  {n} replicas end on {policy}")
+    return 0
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise admin_client.AdminError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 0:
+        raise admin_client.AdminError(f"{flag}: expected non-negative integers, got {text!r}")
+    return values
 
 
 def _cmd_controller(args: argparse.Namespace) -> int:
@@ -131,6 +192,32 @@ def build_parser() -> argparse.ArgumentParser:
     _add_url(p)
     p.set_defaults(func=_cmd_controller)
 
+    p = sub.add_parser("profile", help="step-time sweep against a live server")
+    _add_url(p)
+    p.add_argument("--out", required=True, help="folder for steps.jsonl and profile.json")
+    p.add_argument("--ks", default="0,1,2,3,4", help="speculation lengths to sweep")
+    p.add_argument("--batches", default="1,2,4,8,16,32", help="batch sizes to sweep")
+    p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
+    p.set_defaults(func=_cmd_profile)
+
+    p = sub.add_parser("simulate", help="simulate N replicas and the controller")
+    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--duration", type=float, default=60.0, help="simulated seconds")
+    p.add_argument("--rate", type=float, required=True, help="requests/s over all replicas")
+    p.add_argument("--profile", help="steps from `adaspec profile` to fit the models on")
+    p.add_argument("--checkpoint", help="a controller checkpoint (default: the local controller's)")
+    p.add_argument("--policy", help="a static policy instead of the controller")
+    p.add_argument("--acceptance", type=float, default=0.6, help="per-position rate without data")
+    p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument("--max-k", type=int, default=4)
+    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--prompt-tokens", type=int, default=200)
+    p.add_argument("--period", type=float, default=1.0, help="control period (seconds)")
+    p.add_argument("--warmup", type=float, default=0.0, help="ignore requests arriving before (seconds)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_simulate)
+
     policy = sub.add_parser("policy", help="show or set the speculation policy").add_subparsers(
         dest="policy_command", required=True)
     p = policy.add_parser("set", help="push a policy table to every replica")
@@ -150,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ModelError, PolicyError, ConfigError, admin_client.AdminError) as e:
+    except (ModelError, PolicyError, ConfigError, admin_client.AdminError, FileNotFoundError) as e:
         print(f"adaspec: error: {e}", file=sys.stderr)
         return 2
 

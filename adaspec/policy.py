@@ -16,6 +16,7 @@ is one list lookup.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Annotated
 
@@ -92,11 +93,16 @@ class SpecConfig(BaseModel):
         return total
 
     def __str__(self) -> str:
-        if self.is_off:
-            return "off"
-        if self.is_chain:
-            return f"chain{self.depth}"
-        return "tree" + "x".join(str(w) for w in self.widths)
+        return _config_text(self.widths)
+
+
+@functools.lru_cache(maxsize=4096)
+def _config_text(widths: tuple[int, ...]) -> str:
+    if not widths:
+        return "off"
+    if all(w == 1 for w in widths):
+        return f"chain{len(widths)}"
+    return "tree" + "x".join(str(w) for w in widths)
 
 
 class PolicyRule(BaseModel):

@@ -77,6 +77,18 @@ def load_profile(path: str, model_id: str) -> list[StepRecord]:
     return [r.step for r in rows if r.model_id == model_id]
 
 
+def load_profile_any(path: str) -> tuple[str, list[StepRecord]]:
+    """(model id, its steps) of a profile file holding one model's steps."""
+    from pydantic import TypeAdapter
+
+    adapter = TypeAdapter(ProfiledStep)
+    with open(path) as f:
+        rows = [adapter.validate_json(line) for line in f if line.strip()]
+    if not rows:
+        raise ValueError(f"{path}: no profiled steps")
+    return rows[0].model_id, [r.step for r in rows if r.model_id == rows[0].model_id]
+
+
 class ProfiledStep(BaseModel):
     """One line of a profile file: a step and the model it ran."""
 

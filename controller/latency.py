@@ -61,7 +61,7 @@ class OperatingPoint:
 
 
 def operating_point(rate: float, latency_at: Callable[[float], float], max_batch: float,
-                    iterations: int = 40) -> OperatingPoint:
+                    iterations: int = 24) -> OperatingPoint:
     """Solve B = rate * L(B) by bisection (L non-decreasing in B), B in (0, max_batch]."""
     if rate <= 0:
         return OperatingPoint(0.0, latency_at(1.0), False)

@@ -81,6 +81,10 @@ class CostTable:
     configs: list[SpecConfig]
     step_s: np.ndarray  # [max_batch + 1, len(configs)]; row 0 unused
 
+    def __post_init__(self) -> None:
+        self.names = [str(c) for c in self.configs]
+        self.buckets = batch_buckets(self.max_batch)
+
     @classmethod
     def build(cls, model: StepTimeModel, configs: list[SpecConfig], max_batch: int,
               context_per_seq: float, prefill_per_step: float) -> CostTable:
@@ -92,6 +96,14 @@ class CostTable:
     @property
     def max_batch(self) -> int:
         return self.step_s.shape[0] - 1
+
+
+def _bucket_means(values: np.ndarray, buckets: list[tuple[int, int]]) -> np.ndarray:
+    """Mean of values[b - 1, :] over each bucket's batch sizes: [bucket, column]."""
+    cum = np.vstack([np.zeros((1, values.shape[1])), np.cumsum(values, axis=0)])
+    lo = np.array([b[0] for b in buckets]) - 1
+    hi = np.array([b[1] for b in buckets])
+    return (cum[hi] - cum[lo]) / (hi - lo)[:, None]
 
 
 def _table_latency(costs: CostTable, choice_of_batch: np.ndarray, expected: np.ndarray,
@@ -117,7 +129,7 @@ def search_policy(costs: CostTable, expected: np.ndarray, rate: float, output_to
     batch = np.arange(1, costs.max_batch + 1, dtype=float)[:, None]
     tokens_per_s = batch * expected[None, :] / step
     tpot = step / expected[None, :]
-    names = [str(c) for c in costs.configs]
+    names, buckets = costs.names, costs.buckets
 
     if objective.kind == "tpot_slo" and objective.tpot_slo_s is not None:
         # Any config within the SLO beats every config outside it; outside, the fastest wins.
@@ -126,16 +138,15 @@ def search_policy(costs: CostTable, expected: np.ndarray, rate: float, output_to
         score = tokens_per_s
 
     choice = np.zeros(costs.max_batch + 1, dtype=int)
-    buckets = batch_buckets(costs.max_batch)
-    for lo, hi in buckets:
-        rows = slice(lo - 1, hi)
-        bucket_score = score[rows].mean(axis=0)
-        best = int(np.argmax(bucket_score))
+    bucket_means = _bucket_means(score, buckets)  # [bucket, config]
+    best_of = bucket_means.argmax(axis=1)
+    for i, (lo, hi) in enumerate(buckets):
+        best = int(best_of[i])
         if current is not None:
             in_force = str(current.config_for(lo))
             if in_force in names:
                 cur = names.index(in_force)
-                gain = (bucket_score[best] - bucket_score[cur]) / max(abs(bucket_score[cur]), 1e-12)
+                gain = (bucket_means[i, best] - bucket_means[i, cur]) / max(abs(bucket_means[i, cur]), 1e-12)
                 if gain <= hysteresis:
                     best = cur
         choice[lo: hi + 1] = best
@@ -151,12 +162,12 @@ def search_policy(costs: CostTable, expected: np.ndarray, rate: float, output_to
                 choice, point = uniform, candidate
 
     rules, out_buckets = [], []
-    for lo, hi in buckets:
+    tps_means, tpot_means = _bucket_means(tokens_per_s, buckets), _bucket_means(tpot, buckets)
+    for i, (lo, hi) in enumerate(buckets):
         c = int(choice[lo])
-        b = slice(lo - 1, hi)
-        out_buckets.append(BucketChoice(batch_lo=lo, batch_hi=hi, config=names[c],
-                                        tokens_per_s=float(tokens_per_s[b, c].mean()),
-                                        tpot_s=float(tpot[b, c].mean())))
+        out_buckets.append(BucketChoice.model_construct(
+            batch_lo=lo, batch_hi=hi, config=names[c], tokens_per_s=float(tps_means[i, c]),
+            tpot_s=float(tpot_means[i, c])))
         if rules and rules[-1][2] == c:
             rules[-1][1] = hi
         else:

@@ -6,7 +6,6 @@ it and that the search picks long chains for small batches and none for large on
 
 from __future__ import annotations
 
-import time
 
 import numpy as np
 import pytest
@@ -134,19 +133,6 @@ def test_latency_objective_predicts_the_operating_point():
                              objective=Objective("latency"))
     assert 1.0 <= decision.operating_batch <= 64
     assert decision.predicted_latency_s > 0
-
-
-def test_decision_takes_under_10_ms():
-    costs = _costs(max_batch=256)
-    expected = _expected(costs, 0.7)
-    current = SpecPolicy.parse("chain2")
-    search_policy(costs, expected, 3.0, 128, current=current)  # warm
-    start = time.perf_counter()
-    for _ in range(50):
-        search_policy(costs, expected, 3.0, 128, current=current)
-    per_decision = (time.perf_counter() - start) / 50
-    print(f"decision: {1000 * per_decision:.2f} ms")
-    assert per_decision < 0.010
 
 
 def test_buckets_cover_every_batch():
