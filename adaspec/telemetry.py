@@ -36,6 +36,10 @@ class StepRecord:
     config: str  # SpecConfig in force for this batch size (decides the next drafts)
     policy_version: int
     num_drafts: int = 0  # sequences that verified draft tokens in this step
+    # Draft tokens per sequence the drafter was asked for, for this step's verification (the
+    # previous step's k). A decoding sequence with no draft (n-gram lookup found no match)
+    # then counts as rejected at the first position.
+    draft_k: int = 0
     drafted_per_pos: list[int] = field(default_factory=list)  # [position] -> sequences
     accepted_per_pos: list[int] = field(default_factory=list)  # [position] -> sequences
     # Trees (native engine): [depth][sibling rank] -> sequences that had that candidate with

@@ -90,17 +90,21 @@ def step_counts(step: StepRecord) -> tuple[np.ndarray, np.ndarray]:
 
     Chains report per position only (vLLM): reached at position i is the number of sequences
     that drafted position i with positions < i accepted, estimated as
-    min(accepted[i-1], drafted[i]) (exact when all sequences drafted the same length)."""
+    min(accepted[i-1], drafted[i]) (exact when all sequences drafted the same length). At the
+    first position every decoding sequence the drafter was asked for (step.draft_k >= 1)
+    counts, drafted or not: a draft never proposed is a token not gained, so the rate then
+    includes the n-gram drafter's proposal rate."""
     if step.reached_per_depth_rank:
         return (np.asarray(step.reached_per_depth_rank, dtype=float),
                 np.asarray(step.accepted_per_depth_rank, dtype=float))
-    k = min(len(step.drafted_per_pos), MAX_DEPTH)
+    k = min(max(len(step.drafted_per_pos), step.draft_k), MAX_DEPTH)
     reached = np.zeros((k, 1))
     accepted = np.zeros((k, 1))
-    prev = step.num_drafts
+    prev = max(step.num_drafts, step.num_decode_reqs) if step.draft_k >= 1 else step.num_drafts
     for i in range(k):
         acc = step.accepted_per_pos[i] if i < len(step.accepted_per_pos) else 0
-        reached[i, 0] = min(prev, step.drafted_per_pos[i])
+        drafted = step.drafted_per_pos[i] if i < len(step.drafted_per_pos) else 0
+        reached[i, 0] = prev if i == 0 and step.draft_k >= 1 else min(prev, drafted)
         accepted[i, 0] = acc
         prev = acc
     return reached, accepted

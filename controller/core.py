@@ -157,6 +157,7 @@ class _Deployment:
     seen: dict[tuple[int, str], int] = field(default_factory=dict)  # (bucket lo, config) -> steps
     context_per_seq: float | None = None
     prefill_per_step: float | None = None
+    proposal_rate: float | None = None  # share of decoding sequences that get a draft
     costs: CostTable | None = None
     costs_built_at: float = -1e18
     model_version: int = 0
@@ -217,6 +218,10 @@ class ControllerCore:
         for s in steps:
             key = (_bucket_of(s.batch_size, tel.capabilities.max_batch_size), s.config)
             dep.seen[key] = dep.seen.get(key, 0) + 1
+        eligible = sum(s.num_decode_reqs for s in steps if s.draft_k >= 1)
+        if eligible:
+            proposed = sum(s.num_drafts for s in steps if s.draft_k >= 1)
+            dep.proposal_rate = _ema(dep.proposal_rate, min(proposed / eligible, 1.0), dt, LOAD_HALF_LIFE_S)
         seqs = sum(s.batch_size for s in steps)
         if seqs:
             dep.context_per_seq = _ema(dep.context_per_seq, sum(s.context_tokens for s in steps) / seqs,
@@ -231,7 +236,8 @@ class ControllerCore:
         if dep.costs is None or stale or [str(c) for c in dep.costs.configs] != [str(c) for c in wanted] \
                 or dep.costs.max_batch != caps.max_batch_size:
             dep.costs = CostTable.build(dep.step_model, wanted, caps.max_batch_size,
-                                        dep.context_per_seq or 256.0, dep.prefill_per_step or 0.0)
+                                        dep.context_per_seq or 256.0, dep.prefill_per_step or 0.0,
+                                        1.0 if dep.proposal_rate is None else dep.proposal_rate)
             dep.costs_built_at, dep.costs_version = now, dep.model_version
         return dep.costs
 

@@ -87,8 +87,8 @@ class CostTable:
 
     @classmethod
     def build(cls, model: StepTimeModel, configs: list[SpecConfig], max_batch: int,
-              context_per_seq: float, prefill_per_step: float) -> CostTable:
-        rows = [decode_features(b, c, context_per_seq, prefill_per_step)
+              context_per_seq: float, prefill_per_step: float, proposal_rate: float = 1.0) -> CostTable:
+        rows = [decode_features(b, c, context_per_seq, prefill_per_step, proposal_rate)
                 for b in range(1, max_batch + 1) for c in configs]
         predicted = monotone_table(model.predict(rows).reshape(max_batch, len(configs)))
         return cls(configs, np.vstack([predicted[:1], predicted]))

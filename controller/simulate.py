@@ -22,6 +22,7 @@ from pydantic import BaseModel
 
 from adaspec.policy import SpecConfig, SpecPolicy
 from adaspec.telemetry import EngineCapabilities, ReplicaTelemetry, StepRecord
+from controller.acceptance import AcceptanceModel
 from controller.config import ControllerConfig
 from controller.core import ControllerCore
 from controller.policy_search import CostTable, candidate_configs
@@ -35,18 +36,27 @@ class SimulatedEngine:
     configs: list[SpecConfig]
     step_s: list[list[float]]  # [batch][config index] decode step seconds
     prefill_s_per_token: float
-    acceptance: list[float]  # conditional acceptance per draft position
+    acceptance: list[float]  # conditional acceptance per draft position, given a draft
     max_batch: int
     max_k: int
     model_id: str = "simulated"
+    proposal_rate: float = 1.0  # share of decoding sequences that get a draft
 
     @classmethod
     def from_models(cls, step_model: StepTimeModel, acceptance: list[float], max_batch: int, max_k: int,
-                    context_per_seq: float = 300.0, model_id: str = "simulated") -> SimulatedEngine:
+                    context_per_seq: float = 300.0, model_id: str = "simulated",
+                    proposal_rate: float = 1.0) -> SimulatedEngine:
+        """`acceptance`: conditional rates per position with proposal failures counted as
+        rejections at the first (the controller's estimator); split here into the proposal
+        rate and the rate given a draft."""
         configs = candidate_configs(max_k, supports_trees=False)
-        table = CostTable.build(step_model, configs, max_batch, context_per_seq, 0.0)
+        table = CostTable.build(step_model, configs, max_batch, context_per_seq, 0.0, proposal_rate)
         coef = step_model.coef if step_model.coef is not None else step_model.prior_coef
-        return cls(configs, table.step_s.tolist(), float(coef[3]), list(acceptance), max_batch, max_k, model_id)
+        given_draft = list(acceptance)
+        if given_draft and proposal_rate > 0:
+            given_draft[0] = min(1.0, given_draft[0] / proposal_rate)
+        return cls(configs, table.step_s.tolist(), float(coef[3]), given_draft, max_batch, max_k, model_id,
+                   proposal_rate)
 
     @property
     def capabilities(self) -> EngineCapabilities:
@@ -111,16 +121,16 @@ class SimReplica:
                 if seq[2]:  # its prompt step: the first token, no drafts to verify yet
                     seq[2], gained = 0.0, 1
                 else:
-                    accepted = 0
-                    while accepted < k and rng.random() < eng.acceptance[accepted]:
+                    accepted, drafted = 0, k if k and rng.random() < eng.proposal_rate else 0
+                    while accepted < drafted and rng.random() < eng.acceptance[accepted]:
                         accepted += 1
-                    for i in range(k):
+                    for i in range(drafted):
                         g.drafted[i] += 1
                     for i in range(accepted):
                         g.accepted[i] += 1
-                    g.drafts += 1 if k else 0
+                    g.drafts += 1 if drafted else 0
                     g.decode += 1
-                    g.tokens += 1 + k
+                    g.tokens += 1 + drafted
                     gained = 1 + accepted
                 seq[0] -= gained
                 if seq[0] <= 0:
@@ -135,7 +145,8 @@ class SimReplica:
             scheduled_tokens=(g.tokens + g.prefill) // g.steps, prefill_tokens=g.prefill // g.steps,
             context_tokens=b * (self.prompt_tokens + self.output_tokens // 2),
             config=str(eng.configs[ci]), policy_version=self.policy.version, num_drafts=g.drafts,
-            drafted_per_pos=g.drafted, accepted_per_pos=g.accepted) for (b, ci), g in groups.items()]
+            drafted_per_pos=g.drafted, accepted_per_pos=g.accepted, draft_k=eng.configs[ci].depth)
+            for (b, ci), g in groups.items()]
         return ReplicaTelemetry(
             replica_id=self.id, model_id=eng.model_id, capabilities=eng.capabilities, window_start=start,
             window_end=t_end, arrivals=len(arrivals_in), finished=finished, queue_length=len(self.waiting),
@@ -206,16 +217,16 @@ def simulate(engine: SimulatedEngine, replicas: int, duration_s: float, rate: fl
 
 def engine_from_profile(path: str, max_batch: int, max_k: int) -> SimulatedEngine:
     """Step-time model and acceptance fitted on the steps of an `adaspec profile` file."""
-    from adaspec.telemetry import summarize_acceptance
     from controller.core import load_profile_any
 
     model_id, steps = load_profile_any(path)
     model = StepTimeModel()
     model.add(steps)
     model.fit()
-    rates = summarize_acceptance(steps).conditional_rate_per_pos or [0.0]
+    rates = measured_acceptance(steps, max_k)
     context = sum(s.context_tokens for s in steps) / max(sum(s.batch_size for s in steps), 1)
-    return SimulatedEngine.from_models(model, _pad(rates, max_k), max_batch, max_k, context, model_id)
+    return SimulatedEngine.from_models(model, rates, max_batch, max_k, context, model_id,
+                                       measured_proposal_rate(steps))
 
 
 def engine_from_checkpoint(path: str, max_batch: int | None = None, max_k: int | None = None) -> SimulatedEngine:
@@ -233,8 +244,19 @@ def engine_from_checkpoint(path: str, max_batch: int | None = None, max_k: int |
     max_k = max_k or (caps.max_k if caps else 4)
     rates = reps[0].acceptance.conditional_rates()[:max_k, 0].tolist() if reps else [0.3] * max_k
     return SimulatedEngine.from_models(dep.step_model, rates, max_batch, max_k,
-                                       dep.context_per_seq or 300.0, model_id)
+                                       dep.context_per_seq or 300.0, model_id,
+                                       1.0 if dep.proposal_rate is None else dep.proposal_rate)
 
 
-def _pad(rates: list[float], k: int) -> list[float]:
-    return (list(rates) + [rates[-1]] * k)[:k]
+def measured_proposal_rate(steps: list[StepRecord]) -> float:
+    """Share of decoding sequences that got a draft when the drafter was asked for one."""
+    eligible = sum(s.num_decode_reqs for s in steps if s.draft_k >= 1)
+    return sum(s.num_drafts for s in steps if s.draft_k >= 1) / eligible if eligible else 1.0
+
+
+def measured_acceptance(steps: list[StepRecord], max_k: int) -> list[float]:
+    """Conditional acceptance per position over all `steps`, undecayed, proposal failures
+    counted as rejections (AcceptanceModel's estimator)."""
+    model = AcceptanceModel(half_life_s=1e12, prior_weight=1e-6)
+    model.update(steps)
+    return model.conditional_rates()[:max_k, 0].tolist()

@@ -40,9 +40,10 @@ def step_features(step: StepRecord) -> list[float]:
 
 
 def decode_features(batch: int, config: SpecConfig, context_per_seq: float,
-                    prefill_per_step: float = 0.0) -> list[float]:
-    """Features of a steady-state decode step of `batch` sequences under `config`."""
-    return [float(batch), 1.0 + config.num_nodes, float(config.depth),
+                    prefill_per_step: float = 0.0, proposal_rate: float = 1.0) -> list[float]:
+    """Features of a steady-state decode step of `batch` sequences under `config`, where a
+    sequence gets a draft with probability `proposal_rate` (n-gram lookup may find none)."""
+    return [float(batch), 1.0 + proposal_rate * config.num_nodes, float(config.depth),
             batch * context_per_seq, prefill_per_step]
 
 

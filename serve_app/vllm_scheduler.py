@@ -82,6 +82,7 @@ class AdaspecScheduler(Scheduler):
         self._drained = 0
         self._pending: dict[int, tuple[float, StepRecord]] = {}  # id(scheduler_output) -> start
         self._step_spec_stats = None
+        self._prev_k = 0  # k decided by the previous step: what this step verifies
 
     # ------------------------------------------------------------------ control channel
     def __bool__(self) -> bool:  # EngineCore evaluates `getattr(...) and call(...)`
@@ -146,8 +147,9 @@ class AdaspecScheduler(Scheduler):
             time=0.0, duration_s=0.0, batch_size=batch, num_decode_reqs=decode,
             scheduled_tokens=output.total_num_scheduled_tokens, prefill_tokens=prefill,
             context_tokens=context, config=self._config_names[min(batch, self._max_batch)],
-            policy_version=self._policy.version,
+            policy_version=self._policy.version, draft_k=self._prev_k,
         )
+        self._prev_k = output.num_spec_tokens_to_schedule
         self._pending[id(output)] = (start, record)
         return output
 
