@@ -84,18 +84,28 @@ class ServeProcess:
                 raise RuntimeError(f"`serve run` exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 if httpx.post(f"{self.url}/v1/completions", json=body, timeout=10).status_code == 200:
+                    # Pin this server's Ray session: other Ray instances may start later.
+                    self.session_dir = Path(os.path.realpath("/tmp/ray/session_latest"))
                     return time.monotonic() - start
             except httpx.HTTPError:
                 pass
             time.sleep(3)
         raise TimeoutError(f"server not ready after {timeout_s} s:\n{self.log_tail()}")
 
+    def _port(self, name: str) -> str:
+        ports = glob.glob(str(self.session_dir / f"{name}_*"))
+        assert ports, f"no {name} in {self.session_dir}"
+        return Path(ports[0]).read_text().strip()
+
     def metrics_text(self) -> str:
         """Prometheus text from the Ray cluster's metrics export port."""
-        ports = glob.glob("/tmp/ray/session_latest/metrics_export_port_*")
-        assert ports, "no Ray metrics export port found"
-        port = Path(ports[0]).read_text().strip()
-        return httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        return httpx.get(f"http://127.0.0.1:{self._port('metrics_export_port')}/metrics", timeout=10).text
+
+    def gcs_address(self) -> str:
+        """The address `ray.init(address=...)` joins this server's Ray cluster with."""
+        from ray._private.services import get_node_ip_address
+
+        return f"{get_node_ip_address()}:{self._port('gcs_server_port')}"
 
     def stop(self, grace_s: float = 60) -> list[str]:
         """Ctrl-C `serve run`, then kill what is left of its session.

@@ -21,6 +21,17 @@ from serve_app.ingress import AdaspecIngress
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def no_local_ray_left():
+    """Building a deployment asks Ray for the runtime context, which starts a local Ray
+    instance in this process; stop it so later tests can join the server's cluster."""
+    yield
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
 @pytest.mark.parametrize("args,field", [
     ({"speculation": {"max_k": 0}}, "speculation.max_k"),
     ({"speculation": {"policy": "1-2:chain4,5+:off"}}, "speculation.policy"),

@@ -64,7 +64,9 @@ def _depths(client, since: float, batch_lo: int, batch_hi: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def ray_client(server):
-    ray.init(address="auto", namespace=NAMESPACE, log_to_driver=False)
+    if ray.is_initialized():  # e.g. a local instance an earlier test's Ray call started
+        ray.shutdown()
+    ray.init(address=server.gcs_address(), namespace=NAMESPACE, log_to_driver=False)
     yield
     ray.shutdown()
 

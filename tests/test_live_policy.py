@@ -145,8 +145,14 @@ def _per_pos_counter(metrics: str, name: str) -> dict[int, float]:
 def test_acceptance_agrees_with_vllm_counters(server, client):
     name = "ray_vllm_spec_decode_num_accepted_tokens_per_pos_total"
     _applied_version(push_policy(client, "chain4"))
-    time.sleep(6)  # let Ray export everything from earlier tests
+    # Ray exports metrics every few seconds: wait until earlier tests' counts have settled.
     before = _per_pos_counter(server.metrics_text(), name)
+    for _ in range(15):
+        time.sleep(4)
+        now = _per_pos_counter(server.metrics_text(), name)
+        if now == before:
+            break
+        before = now
     start = time.time()
     for prompt in PROMPTS:
         complete(client, prompt, max_tokens=40)
