@@ -1,0 +1,373 @@
+"""The native engine: continuous batching with token-tree speculation under a live policy.
+
+One `step()` (how a serving loop drives it):
+  schedule  -> reap aborted requests, admit waiting ones into free KV-cache rows
+  policy    -> the running batch size picks the SpecConfig (a dense table, O(1))
+  draft     -> the drafter proposes a token tree per decoding sequence
+  verify    -> one target pass over root + tree nodes of every decoding sequence
+  accept    -> greedy or exact stochastic acceptance (verify.py) per sequence
+  prefill   -> one target pass over the newly admitted prompts, first token sampled
+  update    -> KV cache kept to the accepted path, tokens appended, finished rows freed
+  record    -> a StepRecord (adaspec.telemetry) for the controller
+
+Rows: running requests occupy KV-cache rows 0..B-1, decoding ones first, in admission
+order; a finished request's row is refilled by moving later rows down, so every forward
+reads a contiguous slice of the cache. A request's `cache_len` counts its committed tokens
+in the cache; its last output token (the root) is not in the cache until it is verified.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from adaspec.policy import PolicyError, SpecConfig, SpecPolicy
+from adaspec.telemetry import EngineCapabilities, StepRecord
+from native_engine.drafters import Drafter, NgramDrafter
+from native_engine.kv_cache import KVCache
+from native_engine.model import Transformer, causal_mask, load_model
+from native_engine.requests import Request, RequestOutput, SamplingParams
+from native_engine.stats import AcceptanceCounts
+from native_engine.tree import DraftTree, TreeShape, attention_mask, batch_tree_inputs
+from native_engine.verify import Acceptance, accept_greedy, accept_sampled, probs_from_logits
+
+MAX_BUFFERED_STEPS = 20_000  # StepRecords kept between two drains; older ones are dropped
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch_size: int = 16  # running requests (KV-cache rows)
+    max_seq_len: int = 2048  # cache positions per row: prompt + output + one verify tree
+    max_tree_nodes: int = 64  # draft nodes per sequence per step; bigger configs are refused
+    tree_budget: int | None = None  # best-first node budget applied to every tree config
+    max_prefill_tokens: int = 8192  # prompt tokens admitted per step (at least one request)
+    seed: int = 0  # engine sampling generator (requests without their own seed)
+
+
+class PolicyAck(BaseModel):
+    """A replica's answer to a policy push (the same fields as serve_app's vLLM path)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    replica_id: str = ""
+    status: str  # applied | ignored_stale | rejected
+    version_in_force: int
+    policy_in_force: str
+    message: str = ""
+
+
+class NativeEngine:
+    """Continuous-batching speculative engine over a `Transformer` and a `Drafter`."""
+
+    def __init__(self, model: Transformer, drafter: Drafter | None = None, config: EngineConfig = EngineConfig(),
+                 policy: SpecPolicy | None = None, tokenizer=None, eos_token_ids: tuple[int, ...] = ()):
+        self.model, self.drafter, self.config, self.tokenizer = model, drafter, config, tokenizer
+        self.eos_ids = frozenset(eos_token_ids)
+        a, w = model.args, model.lm_head.weight
+        self.device = w.device
+        self.cache = KVCache.allocate(a.n_layers, config.max_batch_size, a.n_kv_heads, config.max_seq_len,
+                                      a.head_dim, w.dtype, w.device)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._aborted: list[Request] = []
+        self._ids: set[str] = set()
+        self._steps: deque[StepRecord] = deque(maxlen=MAX_BUFFERED_STEPS)
+        self._generator = torch.Generator().manual_seed(config.seed)
+        policy = policy or SpecPolicy.uniform(SpecConfig.off())
+        self.validate_policy(policy)
+        self.policy = policy
+        self._table = policy.compile(config.max_batch_size)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_pretrained(cls, model: str, drafter: str | Drafter = "ngram", draft_model: str | None = None,
+                        dtype: torch.dtype = torch.float32, device="cpu", config: EngineConfig = EngineConfig(),
+                        policy: SpecPolicy | None = None) -> NativeEngine:
+        """Load an embedded model name (see adaspec.models) or an HF safetensors folder.
+
+        drafter: "ngram", "draft_model" (with `draft_model` a name or folder), "none", or a
+        Drafter instance."""
+        from adaspec.models import resolve_model
+        from native_engine.drafters import DraftModelDrafter
+
+        folder = Path(resolve_model(model, prepare=False))
+        target = load_model(folder, dtype=dtype, device=device)
+        if drafter == "ngram":
+            drafter = NgramDrafter()
+        elif drafter == "draft_model":
+            if draft_model is None:
+                raise ValueError("drafter='draft_model' needs draft_model (a model name or folder)")
+            small = load_model(resolve_model(draft_model, prepare=False), dtype=dtype, device=device)
+            drafter = DraftModelDrafter(small, config.max_batch_size, config.max_seq_len + config.max_tree_nodes + 1)
+        elif drafter == "none":
+            drafter = None
+        elif isinstance(drafter, str):
+            raise ValueError(f"unknown drafter {drafter!r}: ngram, draft_model or none")
+        tokenizer = None
+        if (folder / "tokenizer.json").is_file():
+            from tokenizers import Tokenizer
+            tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        return cls(target, drafter, config, policy, tokenizer, _eos_ids(folder))
+
+    # ------------------------------------------------------------------ public surface
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams = SamplingParams()) -> None:
+        """Queue a request; it joins the running batch at the next step with a free row."""
+        if request_id in self._ids:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs the engine's tokenizer; pass token ids")
+            prompt = self.tokenizer.encode(prompt).ids
+        if not prompt:
+            raise ValueError("prompt is empty")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need the engine's tokenizer")
+        need = len(prompt) + params.max_tokens + self.config.max_tree_nodes + 1
+        if need > self.config.max_seq_len:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) + a verify tree "
+                             f"({self.config.max_tree_nodes + 1}) exceed max_seq_len {self.config.max_seq_len}")
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self.waiting.append(Request(request_id, list(prompt), params, time.time(), generator=gen))
+        self._ids.add(request_id)
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request; its final output (finish_reason "abort") comes from the next step."""
+        for queue in (self.waiting, self.running):
+            for req in queue:
+                if req.request_id == request_id and not req.finished:
+                    req.finish_reason = "abort"
+                    self._aborted.append(req)
+                    return True
+        return False
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self._aborted)
+
+    def drain_steps(self) -> list[StepRecord]:
+        """StepRecords since the previous drain (oldest first)."""
+        steps = list(self._steps)
+        self._steps.clear()
+        return steps
+
+    def capabilities(self) -> EngineCapabilities:
+        return EngineCapabilities(engine="native", max_batch_size=self.config.max_batch_size,
+                                  max_k=self.max_depth, supports_trees=True,
+                                  draft_method=self.drafter.name if self.drafter else "none")
+
+    @property
+    def max_depth(self) -> int:
+        return self.drafter.max_depth if self.drafter else 0
+
+    # ------------------------------------------------------------------ policy
+    def shape_for(self, config: SpecConfig) -> TreeShape:
+        return TreeShape.from_config(config, self.config.tree_budget)
+
+    def validate_policy(self, policy: SpecPolicy) -> None:
+        """Raise PolicyError unless every config of `policy` can run on this engine."""
+        policy.check_engine(self.config.max_batch_size, self.max_depth, supports_trees=True)
+        for rule in policy.rules:
+            nodes = self.shape_for(rule.config).max_nodes
+            if nodes > self.config.max_tree_nodes:
+                raise PolicyError(f"{rule.config} verifies {nodes} draft nodes per sequence; this engine's KV "
+                                  f"cache leaves room for max_tree_nodes={self.config.max_tree_nodes}")
+
+    def apply_policy(self, policy: SpecPolicy) -> PolicyAck:
+        """Install `policy` from the next step on; stale versions are ignored, bad ones rejected."""
+        def ack(status: str, message: str = "") -> PolicyAck:
+            return PolicyAck(status=status, message=message, version_in_force=self.policy.version,
+                             policy_in_force=str(self.policy))
+        try:
+            self.validate_policy(policy)
+        except PolicyError as e:
+            return ack("rejected", str(e))
+        if policy.version < self.policy.version:
+            return ack("ignored_stale", f"version {policy.version} < {self.policy.version} in force")
+        self.policy, self._table = policy, policy.compile(self.config.max_batch_size)
+        return ack("applied")
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
+        outputs = self._reap_aborted()
+        new = self._admit()
+        if not self.running:
+            return outputs
+        config = self._table[len(self.running)]
+        shape = self.shape_for(config)
+        decode = self.running[: len(self.running) - len(new)]
+        context = sum(r.cache_len for r in decode)
+        trees = self._draft(decode, shape)
+        results, verified = self._verify(decode, trees)
+        outputs += self._commit(decode, results)
+        outputs += self._prefill(new)
+        self._release_finished()
+        counts = AcceptanceCounts(shape.widths if decode else ())
+        for tree, result in zip(trees, results):
+            counts.add(tree, result)
+        self._record(start, config, decode, new, verified, context, counts)
+        return outputs
+
+    def _reap_aborted(self) -> list[RequestOutput]:
+        outs = []
+        for req in self._aborted:
+            if req in self.waiting:
+                self.waiting.remove(req)
+            outs.append(RequestOutput(req.request_id, [], True, "abort", len(req.prompt), len(req.output), req.text))
+        self._aborted.clear()
+        self._release_finished()
+        return outs
+
+    def _admit(self) -> list[Request]:
+        new, tokens = [], 0
+        while self.waiting and len(self.running) < self.config.max_batch_size:
+            req = self.waiting[0]
+            if new and tokens + len(req.prompt) > self.config.max_prefill_tokens:
+                break
+            self.waiting.popleft()
+            req.row = len(self.running)
+            if self.drafter is not None:
+                self.drafter.reset_row(req.row)
+            self.running.append(req)
+            new.append(req)
+            tokens += len(req.prompt)
+        return new
+
+    def _draft(self, decode: list[Request], shape: TreeShape) -> list[DraftTree]:
+        if not decode or shape.depth == 0 or self.drafter is None:
+            return [DraftTree() for _ in decode]
+        return self.drafter.propose([r.context for r in decode], shape)
+
+    def _verify(self, decode: list[Request], trees: list[DraftTree]) -> tuple[list[Acceptance], int]:
+        """One target pass over root + nodes of every decoding sequence; accept per sequence.
+        Returns the acceptances and the number of tokens verified."""
+        if not decode:
+            return [], 0
+        lengths = [r.cache_len for r in decode]
+        tokens, pos, write, block = batch_tree_inputs(trees, [r.output[-1] for r in decode], lengths)
+        T = tokens.shape[1]
+        key_len = max(lengths) + T
+        assert key_len <= self.cache.max_len, "cache row overflow: admission should have prevented it"
+        lens = torch.tensor(lengths)
+        mask = attention_mask(block, lens, key_len)
+        dev = self.device
+        hidden = self.model(tokens.to(dev), pos.to(dev), mask.to(dev), self.cache, 0, write.to(dev), key_len)
+        counts = [len(t) + 1 for t in trees]
+        real = torch.tensor([b * T + i for b, n in enumerate(counts) for i in range(n)], device=dev)
+        logits = self.model.logits(hidden.reshape(-1, hidden.shape[-1])[real])  # [sum counts, V]
+        argmax = logits.argmax(-1).tolist()
+        results, offset = [], 0
+        for req, tree, n in zip(decode, trees, counts):
+            rows = slice(offset, offset + n)
+            offset += n
+            children = tree.children()
+            if req.params.greedy:
+                results.append(accept_greedy(children, tree.tokens, argmax[rows]))
+            else:
+                probs = probs_from_logits(logits[rows], req.params.temperature, req.params.top_p).cpu()
+                results.append(accept_sampled(children, tree.tokens, probs, req.generator or self._generator))
+        return results, sum(counts)
+
+    def _commit(self, decode: list[Request], results: list[Acceptance]) -> list[RequestOutput]:
+        """Keep each sequence's accepted path in the cache and append its gained tokens."""
+        outs = []
+        for req, result in zip(decode, results):
+            self.cache.keep_path(req.row, req.cache_len, result.path)
+            req.cache_len += len(result.path)
+            outs.append(self._emit(req, req.append(result.tokens, self.eos_ids, self._decode_fn(req))))
+        return outs
+
+    def _prefill(self, new: list[Request]) -> list[RequestOutput]:
+        """One target pass over the new prompts (right-padded); sample each first token."""
+        if not new:
+            return []
+        lengths = torch.tensor([len(r.prompt) for r in new])
+        T = int(lengths.max())
+        tokens = torch.zeros((len(new), T), dtype=torch.long)
+        for b, req in enumerate(new):
+            tokens[b, : len(req.prompt)] = torch.tensor(req.prompt)
+        pos = torch.arange(T)[None, :].expand(len(new), T)
+        mask = attention_mask(causal_mask(lengths, T)[:, 0], torch.zeros_like(lengths), T)
+        dev = self.device
+        hidden = self.model(tokens.to(dev), pos.to(dev), mask.to(dev), self.cache, new[0].row, pos.to(dev), T)
+        last = hidden[torch.arange(len(new), device=dev), (lengths - 1).to(dev)]
+        logits = self.model.logits(last)  # [P, V]
+        argmax = logits.argmax(-1).tolist()
+        outs = []
+        for b, req in enumerate(new):
+            req.cache_len = len(req.prompt)
+            if req.params.greedy:
+                tok = argmax[b]
+            else:
+                probs = probs_from_logits(logits[b], req.params.temperature, req.params.top_p).cpu().double()
+                tok = int(torch.multinomial(probs, 1, generator=req.generator or self._generator))
+            outs.append(self._emit(req, req.append([tok], self.eos_ids, self._decode_fn(req))))
+        return outs
+
+    def _release_finished(self) -> None:
+        """Drop finished requests and move later rows down so rows stay 0..B-1."""
+        alive = [r for r in self.running if not r.finished]
+        for req in self.running:
+            if req.finished:
+                self._ids.discard(req.request_id)
+        for i, req in enumerate(alive):
+            if req.row != i:
+                self.cache.move_row(req.row, i, req.cache_len)
+                if self.drafter is not None:
+                    self.drafter.move_row(req.row, i)
+                req.row = i
+        self.running = alive
+        for req in self._aborted:
+            self._ids.discard(req.request_id)
+
+    def _record(self, start: float, config: SpecConfig, decode: list[Request], new: list[Request],
+                verified: int, context: int, counts: AcceptanceCounts) -> None:
+        prefill_tokens = sum(len(r.prompt) for r in new)
+        self._steps.append(StepRecord(
+            time=time.time(), duration_s=time.perf_counter() - start, batch_size=len(decode) + len(new),
+            num_decode_reqs=len(decode), scheduled_tokens=verified + prefill_tokens,
+            prefill_tokens=prefill_tokens, context_tokens=context, config=str(config),
+            policy_version=self.policy.version, num_drafts=counts.num_drafts,
+            draft_k=config.depth if decode and self.drafter is not None else 0,
+            drafted_per_pos=counts.drafted_per_pos, accepted_per_pos=counts.accepted_per_pos,
+            reached_per_depth_rank=counts.reached, accepted_per_depth_rank=counts.accepted,
+        ))
+
+    # ------------------------------------------------------------------ helpers
+    def _decode_fn(self, req: Request):
+        if self.tokenizer is None:
+            return None
+        return lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _emit(self, req: Request, tokens: list[int]) -> RequestOutput:
+        return RequestOutput(req.request_id, tokens, req.finished, req.finish_reason, len(req.prompt),
+                             len(req.output), req.text)
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams = SamplingParams()) -> list[list[int]]:
+        """Run `prompts` to completion (a convenience for scripts and tests); output token ids."""
+        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for rid, prompt in zip(ids, prompts):
+            self.add_request(rid, prompt, params)
+        out: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_unfinished():
+            for o in self.step():
+                if o.request_id in out:
+                    out[o.request_id].extend(o.new_token_ids)
+        return [out[rid] for rid in ids]
+
+
+def _eos_ids(folder: Path) -> tuple[int, ...]:
+    """EOS token ids from generation_config.json, else config.json (int or list)."""
+    for name in ("generation_config.json", "config.json"):
+        path = folder / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if eos is not None:
+                return tuple(eos) if isinstance(eos, list) else (eos,)
+    return ()

@@ -1,0 +1,312 @@
+"""Llama-family decoder in plain torch: Llama, SmolLM2, Mistral, Qwen2 (QKV bias).
+
+Modules carry Hugging Face's parameter names (`model.layers.3.self_attn.q_proj.weight`), so a
+safetensors folder loads with `load_state_dict` and an HF model's state dict copies across
+for cross-checks. Everything that varies per step is a `forward` argument (gpt-fast style):
+token ids, RoPE positions, the attention mask, and where the new keys/values go in the cache.
+That is what lets one pass verify a whole token tree: the tree's nodes share a RoPE position
+per depth, and the mask lets each node see only the prefix and its own ancestors.
+
+Shapes: B = sequences in the batch, T = new tokens per sequence (padded), S = key length
+(cache positions attended to), V = vocab, D = hidden size, H / Hkv = query / key-value heads,
+Dh = head dim.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from native_engine.kv_cache import KVCache
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+class ModelLoadError(ValueError):
+    """A model folder that cannot be loaded: missing file, unsupported architecture, bad weights."""
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """The architecture numbers of a Llama-family decoder (HF config.json field names in comments)."""
+
+    vocab_size: int = 256
+    dim: int = 64  # hidden_size
+    n_layers: int = 2  # num_hidden_layers
+    n_heads: int = 4  # num_attention_heads
+    n_kv_heads: int = 2  # num_key_value_heads (grouped-query attention when < n_heads)
+    head_dim: int = 16
+    intermediate_size: int = 128
+    rope_theta: float = 10000.0
+    # Llama 3.x "llama3" RoPE scaling: (factor, low_freq_factor, high_freq_factor, original_max_pos);
+    # None = plain RoPE. Other scaling types are refused at load time.
+    rope_llama3: tuple[float, float, float, int] | None = None
+    norm_eps: float = 1e-5  # rms_norm_eps
+    qkv_bias: bool = False  # Qwen2 has biases on q/k/v projections
+    tie_embeddings: bool = False  # tie_word_embeddings: lm_head shares the embedding matrix
+    max_position: int = 4096  # max_position_embeddings (also caps a Mistral sliding window)
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> ModelArgs:
+        archs = cfg.get("architectures") or []
+        if not archs or archs[0] not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(
+                f"unsupported architecture {archs[0] if archs else None!r}; "
+                f"the native engine runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ModelLoadError(f"unsupported hidden_act {cfg['hidden_act']!r} (only silu)")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        llama3 = None
+        if rope_type == "llama3":
+            llama3 = (float(rope["factor"]), float(rope["low_freq_factor"]),
+                      float(rope["high_freq_factor"]), int(rope["original_max_position_embeddings"]))
+        elif rope_type != "default":
+            raise ModelLoadError(f"unsupported RoPE scaling {rope_type!r} (default and llama3 only)")
+        n_heads = cfg["num_attention_heads"]
+        max_pos = cfg.get("max_position_embeddings", 4096)
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        if window:  # full attention is exact while the context stays within the window
+            max_pos = min(max_pos, window)
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            dim=cfg["hidden_size"],
+            n_layers=cfg["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=cfg.get("num_key_value_heads", n_heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
+            intermediate_size=cfg["intermediate_size"],
+            rope_theta=float(theta),
+            rope_llama3=llama3,
+            norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            qkv_bias=archs[0] == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position=max_pos,
+        )
+
+    def num_params(self) -> int:
+        attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
+        mlp = 3 * self.dim * self.intermediate_size
+        emb = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
+        return self.n_layers * (attn + mlp + 2 * self.dim) + emb + self.dim
+
+
+# ----------------------------------------------------------------------------------- RoPE
+def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """Inverse frequencies [Dh/2] (float64 for accuracy), with llama3 scaling if configured."""
+    inv = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64) / args.head_dim))
+    if args.rope_llama3 is not None:
+        # Llama 3.1: stretch low frequencies by `factor`, keep high ones, blend in between.
+        factor, low_ff, high_ff, old_len = args.rope_llama3
+        wavelen = 2 * math.pi / inv
+        smooth = (old_len / wavelen - low_ff) / (high_ff - low_ff)
+        blended = (1 - smooth) * inv / factor + smooth * inv
+        inv = torch.where(wavelen > old_len / low_ff, inv / factor,
+                          torch.where(wavelen < old_len / high_ff, inv, blended))
+    return inv
+
+
+def rope_tables(args: ModelArgs, length: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables [length, Dh] in float32 (HF's rotate-half layout: halves repeated)."""
+    pos = torch.arange(length, dtype=torch.float64)
+    freqs = torch.outer(pos, rope_inv_freq(args))  # [length, Dh/2]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().float().to(device), emb.sin().float().to(device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, heads, Dh]; cos/sin [B, T, Dh] gathered at each token's position."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------- layers
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 as HF does, so bfloat16 models match it.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.args, self.layer = args, layer
+        self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x, cos, sin, mask, cache: KVCache | None, row_start: int, write_pos, key_len: int
+                ) -> torch.Tensor:
+        """x [B, T, D]; mask [B, 1, T, S] bool (True = attend); write_pos [B, T] cache positions."""
+        a = self.args
+        B, T, _ = x.shape
+        q = apply_rope(self.q_proj(x).view(B, T, a.n_heads, a.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(x).view(B, T, a.n_kv_heads, a.head_dim), cos, sin)
+        v = self.v_proj(x).view(B, T, a.n_kv_heads, a.head_dim)
+        if cache is None:  # no cache: attend among the given tokens only (S = T)
+            keys, values = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, Dh]
+        else:
+            keys, values = cache.update(self.layer, row_start, write_pos, k, v, key_len)  # [B, Hkv, S, Dh]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
+                                             enable_gqa=a.n_kv_heads != a.n_heads)  # [B, H, T, Dh]
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, a.n_heads * a.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.self_attn = Attention(args, layer)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x, cos, sin, mask, cache, row_start, write_pos, key_len):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, row_start, write_pos, key_len)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """HF's `model.` prefix: embeddings, layers, final norm."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+
+
+class Transformer(nn.Module):
+    """A causal LM. `forward` returns final hidden states; `logits` projects chosen rows."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = Backbone(args)
+        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def rope(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached cos/sin tables covering at least `length` positions, on the model's device."""
+        if self._rope is None or self._rope[0].shape[0] < length:
+            n = max(length, 256, 2 * (self._rope[0].shape[0] if self._rope else 0))
+            self._rope = rope_tables(self.args, n, self.lm_head.weight.device)
+        return self._rope
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                cache: KVCache | None = None, row_start: int = 0, write_pos: torch.Tensor | None = None,
+                key_len: int = 0) -> torch.Tensor:
+        """Hidden states [B, T, D] of `tokens` [B, T].
+
+        positions [B, T]: RoPE positions (a tree node's = prefix length + its depth).
+        mask [B, 1, T, S] bool: True where query t may attend key s. Without a cache S = T.
+        cache, row_start, write_pos [B, T], key_len: the new keys/values are written to cache
+        positions `write_pos` of cache rows row_start .. row_start + B - 1, then attention reads
+        those rows' cache positions [0, key_len).
+        """
+        cos_t, sin_t = self.rope(int(positions.max()) + 1)
+        cos, sin = cos_t[positions], sin_t[positions]  # [B, T, Dh]
+        x = self.model.embed_tokens(tokens)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, mask, cache, row_start, write_pos, key_len)
+        return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [..., V] of hidden states [..., D]."""
+        return self.lm_head(hidden).float()
+
+
+def causal_mask(lengths: torch.Tensor, T: int) -> torch.Tensor:
+    """[B, 1, T, T] causal mask for right-padded rows of `lengths` real tokens (pads see themselves)."""
+    idx = torch.arange(T, device=lengths.device)
+    causal = idx[None, :] <= idx[:, None]  # [T, T]
+    real = idx[None, :] < lengths[:, None]  # [B, T] keys that are real tokens
+    return ((causal[None] & real[:, None, :]) | torch.eye(T, dtype=torch.bool, device=lengths.device))[:, None]
+
+
+# ----------------------------------------------------------------------------------- building
+def build_model(args: ModelArgs, dtype: torch.dtype = torch.float32, device="cpu", seed: int | None = 0,
+                init_std: float = 0.02) -> Transformer:
+    """A random-weight model (tests, GPU timing at realistic shapes). Seeded for reproducibility."""
+    gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
+    model = Transformer(args)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(init_std * torch.randn(p.shape, generator=gen))
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def load_model(folder: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> Transformer:
+    """Load an HF safetensors folder (config.json + model.safetensors or an index of shards)."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ModelLoadError(f"model folder {folder} does not exist")
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(f"model folder {folder} has no config.json")
+    args = ModelArgs.from_hf_config(json.loads(config_path.read_text()))
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (folder / "model.safetensors").is_file():
+        shards = ["model.safetensors"]
+    else:
+        raise ModelLoadError(f"model folder {folder} has no model.safetensors (nor model.safetensors.index.json)")
+    state: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        if not (folder / shard).is_file():
+            raise ModelLoadError(f"model folder {folder} is missing shard {shard}")
+        state.update(load_file(str(folder / shard)))
+    if args.tie_embeddings:
+        state.pop("lm_head.weight", None)
+        state["lm_head.weight"] = state.get("model.embed_tokens.weight")
+    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+    with torch.device("meta"):
+        model = Transformer(args)
+    missing = sorted(set(model.state_dict()) - set(state))
+    if missing:
+        raise ModelLoadError(f"{folder}: weights missing from the checkpoint: {missing[:5]}"
+                             f"{' ...' if len(missing) > 5 else ''}")
+    state = {k: v.to(dtype) for k, v in state.items()}
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as e:  # unexpected keys or wrong shapes
+        raise ModelLoadError(f"{folder}: weights do not fit the config: {e}") from None
+    if args.tie_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.to(device).eval()

@@ -1,0 +1,52 @@
+"""One step's acceptance counts, in the shape `adaspec.telemetry.StepRecord` carries.
+
+Counting rule (what `controller.acceptance` expects): at every node on a sequence's accepted
+path, and at the node where its path stopped, the shape asked the drafter for `widths[d]`
+children. Rank r at depth d is *reached* when its parent was accepted and ranks < r were
+rejected; a candidate the drafter did not deliver (no n-gram match, a branch pruned by the
+node budget) counts as reached and rejected, so measured rates include the drafter's
+proposal rate and E(config) computed from them is the length this engine really gets.
+Per position (chains, and the depth totals of trees): drafted[d] = sequences whose tree has
+a node at depth d + 1; accepted[d] = sequences whose accepted path reached depth d + 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from native_engine.tree import DraftTree
+from native_engine.verify import Acceptance
+
+
+@dataclass
+class AcceptanceCounts:
+    widths: tuple[int, ...]  # the shape the drafter was asked for
+    num_drafts: int = 0  # sequences that verified at least one draft token
+    drafted_per_pos: list[int] = field(default_factory=list)  # [depth - 1] -> sequences
+    accepted_per_pos: list[int] = field(default_factory=list)  # [depth - 1] -> sequences
+    reached: list[list[int]] = field(default_factory=list)  # [depth - 1][rank] -> sequences
+    accepted: list[list[int]] = field(default_factory=list)  # [depth - 1][rank] -> sequences
+
+    def __post_init__(self) -> None:
+        depth, width = len(self.widths), max(self.widths, default=0)
+        self.drafted_per_pos = [0] * depth
+        self.accepted_per_pos = [0] * depth
+        self.reached = [[0] * width for _ in range(depth)]
+        self.accepted = [[0] * width for _ in range(depth)]
+
+    def add(self, tree: DraftTree, result: Acceptance) -> None:
+        if not self.widths:
+            return
+        if len(tree):
+            self.num_drafts += 1
+        for d in sorted(set(tree.depths())):
+            self.drafted_per_pos[d - 1] += 1
+        for d, rank in enumerate(result.ranks):
+            self.accepted_per_pos[d] += 1
+            self.accepted[d][rank] += 1
+            for r in range(rank + 1):
+                self.reached[d][r] += 1
+        stop = len(result.ranks)
+        if stop < len(self.widths):
+            for r in range(self.widths[stop]):
+                self.reached[stop][r] += 1
