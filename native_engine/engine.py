@@ -219,6 +219,7 @@ class NativeEngine:
         for req in self._aborted:
             if req in self.waiting:
                 self.waiting.remove(req)
+            self._ids.discard(req.request_id)
             outs.append(RequestOutput(req.request_id, [], True, "abort", len(req.prompt), len(req.output), req.text))
         self._aborted.clear()
         self._release_finished()
@@ -323,8 +324,6 @@ class NativeEngine:
                     self.drafter.move_row(req.row, i)
                 req.row = i
         self.running = alive
-        for req in self._aborted:
-            self._ids.discard(req.request_id)
 
     def _record(self, start: float, config: SpecConfig, decode: list[Request], new: list[Request],
                 verified: int, context: int, counts: AcceptanceCounts) -> None:

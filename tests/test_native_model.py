@@ -1,0 +1,154 @@
+"""Native model code: logits equal HF transformers' on the same weights (Llama with GQA, Qwen2
+with QKV bias, llama3 RoPE scaling), safetensors folders load, bad folders fail clearly, and
+the KV-cache path equals the cache-free forward."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from native_engine.kv_cache import KVCache
+from native_engine.model import ModelArgs, ModelLoadError, Transformer, build_model, causal_mask, load_model
+from native_engine.testing import full_logits, tiny_args
+from native_engine.tree import attention_mask
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _hf_pair(arch: str, tie: bool, **extra):
+    """A tiny random HF model and our model built from its config.json with its weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    cls_cfg, cls_model = {"LlamaForCausalLM": (LlamaConfig, LlamaForCausalLM),
+                          "Qwen2ForCausalLM": (Qwen2Config, Qwen2ForCausalLM)}[arch]
+    torch.manual_seed(0)
+    cfg = cls_cfg(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=tie, **extra)
+    hf = cls_model(cfg).eval()
+    d = cfg.to_dict()
+    d["architectures"] = [arch]
+    ours = Transformer(ModelArgs.from_hf_config(d))
+    ours.load_state_dict(hf.state_dict(), strict=not tie)
+    return hf, ours.eval(), d
+
+
+@pytest.mark.parametrize("arch,tie,extra", [
+    ("LlamaForCausalLM", True, {}),
+    ("LlamaForCausalLM", False, {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
+                                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                     "original_max_position_embeddings": 8}}),
+    ("Qwen2ForCausalLM", True, {}),
+])
+def test_logits_match_hf_transformers(arch, tie, extra):
+    hf, ours, _ = _hf_pair(arch, tie, **extra)
+    assert ours.args.qkv_bias == (arch == "Qwen2ForCausalLM")
+    assert (ours.args.rope_llama3 is not None) == ("rope_parameters" in extra)
+    tokens = torch.randint(0, 97, (2, 13), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(tokens).logits
+        hidden = ours(tokens, torch.arange(13)[None].expand(2, 13), causal_mask(torch.tensor([13, 13]), 13))
+        assert torch.allclose(ours.logits(hidden), ref, atol=1e-4), (ours.logits(hidden) - ref).abs().max()
+
+
+def test_hf_folder_loads_with_tied_embeddings(tmp_path):
+    hf, _, cfg = _hf_pair("LlamaForCausalLM", True)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    model = load_model(tmp_path)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    tokens = [5, 9, 2, 40, 7]
+    with torch.no_grad():
+        ref = hf(torch.tensor([tokens])).logits[0]
+    assert torch.allclose(full_logits(model, tokens), ref, atol=1e-4)
+    assert load_model(tmp_path, dtype=torch.bfloat16).lm_head.weight.dtype == torch.bfloat16
+
+
+def _write_folder(tmp_path, cfg: dict, state: dict | None):
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    if state is not None:
+        save_file(state, str(tmp_path / "model.safetensors"))
+
+
+def test_bad_model_folders_name_the_problem(tmp_path):
+    _, ours, cfg = _hf_pair("LlamaForCausalLM", True)
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(tmp_path / "nowhere")
+    with pytest.raises(ModelLoadError, match="config.json"):
+        load_model(tmp_path)
+    _write_folder(tmp_path, cfg, None)
+    with pytest.raises(ModelLoadError, match="model.safetensors"):
+        load_model(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "model-00001.safetensors"}}))
+    with pytest.raises(ModelLoadError, match="model-00001.safetensors"):
+        load_model(tmp_path)
+    (tmp_path / "model.safetensors.index.json").unlink()
+    state = {k: v.contiguous() for k, v in ours.state_dict().items() if k != "lm_head.weight"}
+    state.pop("model.layers.1.mlp.up_proj.weight")
+    _write_folder(tmp_path, cfg, state)
+    with pytest.raises(ModelLoadError, match="model.layers.1.mlp.up_proj.weight"):
+        load_model(tmp_path)
+    _write_folder(tmp_path, {**cfg, "architectures": ["GPT2LMHeadModel"]}, None)
+    with pytest.raises(ModelLoadError, match="GPT2LMHeadModel"):
+        load_model(tmp_path)
+    _write_folder(tmp_path, {**cfg, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, None)
+    with pytest.raises(ModelLoadError, match="yarn"):
+        load_model(tmp_path)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 0.1)])
+def test_cached_tree_forward_equals_cache_free_forward(dtype, atol):
+    """Prefill into the cache, then one tree pass: each node's logits equal a cache-free
+    forward over prefix + that node's ancestors (positions by depth, tree mask)."""
+    model = build_model(tiny_args(), dtype=dtype, seed=3, init_std=0.1)
+    a = model.args
+    cache = KVCache.allocate(a.n_layers, 2, a.n_kv_heads, 64, a.head_dim, dtype)
+    prompt = [3, 1, 4, 1, 5, 9, 2]
+    P = len(prompt)
+    pos = torch.arange(P)[None]
+    with torch.no_grad():
+        model(torch.tensor([prompt]), pos, attention_mask(causal_mask(torch.tensor([P]), P)[:, 0],
+                                                          torch.tensor([0]), P), cache, 1, pos, P)
+    # root 6 at position P, nodes: 0:(7) 1:(8) under root, 2:(10) under node 0, 3:(11) under node 2
+    parents, node_tokens = [-1, -1, 0, 2], [7, 8, 10, 11]
+    from native_engine.tree import DraftTree, batch_tree_inputs
+    tree = DraftTree(node_tokens, parents, [1.0] * 4)
+    tokens, positions, write, block = batch_tree_inputs([tree], [6], [P])
+    key_len = P + tokens.shape[1]
+    with torch.no_grad():
+        hidden = model(tokens, positions, attention_mask(block, torch.tensor([P]), key_len), cache, 1, write, key_len)
+        logits = model.logits(hidden[0])
+    paths = {0: [6], 1: [6, 7], 2: [6, 8], 3: [6, 7, 10], 4: [6, 7, 10, 11]}
+    for row, path in paths.items():
+        ref = full_logits(model, prompt + path)[-1]
+        assert torch.allclose(logits[row], ref, atol=atol), (row, (logits[row] - ref).abs().max())
+
+
+def test_model_args_from_smollm2_style_config():
+    cfg = {"architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576, "num_hidden_layers": 30,
+           "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "intermediate_size": 1536,
+           "rope_parameters": {"rope_theta": 100000.0, "rope_type": "default"}, "tie_word_embeddings": True,
+           "rms_norm_eps": 1e-5, "max_position_embeddings": 8192}
+    args = ModelArgs.from_hf_config(cfg)
+    assert (args.rope_theta, args.n_kv_heads, args.tie_embeddings) == (100000.0, 3, True)
+    assert args.num_params() == pytest.approx(134.5e6, rel=0.01)
+    mistral = ModelArgs.from_hf_config({**cfg, "architectures": ["MistralForCausalLM"], "sliding_window": 4096})
+    assert mistral.max_position == 4096
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_bfloat16_matches_cpu():
+    model = build_model(tiny_args(), seed=3, init_std=0.1)
+    tokens = [1, 2, 3, 4, 5, 6]
+    ref = full_logits(model, tokens)
+    gpu = full_logits(model.to("cuda", torch.bfloat16), tokens).cpu()
+    assert (gpu.argmax(-1) == ref.argmax(-1)).float().mean() > 0.8
