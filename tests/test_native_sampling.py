@@ -1,0 +1,133 @@
+"""Sampling with tree speculation keeps the target's output distribution exactly.
+
+Thousands of 3-token completions of one prompt on a tiny model (vocab 8), through the whole
+engine (continuous batching, draft trees, stochastic acceptance), are compared with the
+exact joint distribution P(t1, t2, t3 | prompt) of the target by a chi-square test. The
+first token comes from prefill; the next two pass through tree verification. The same check
+with acceptance deliberately broken (every first-ranked draft accepted) must fail.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import native_engine.engine as engine_module
+from adaspec.policy import SpecPolicy
+from native_engine.drafters import DraftModelDrafter, NgramDrafter
+from native_engine.engine import EngineConfig, NativeEngine
+from native_engine.model import build_model
+from native_engine.requests import SamplingParams
+from native_engine.testing import full_logits, noisy_copy, tiny_args
+from native_engine.verify import Acceptance, probs_from_logits
+
+V = 8
+PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]  # repeats, so n-gram lookup proposes drafts too
+SAMPLES = 3000
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return build_model(tiny_args(vocab_size=V), seed=11, init_std=0.4)
+
+
+@pytest.fixture(scope="module")
+def draft(target):
+    return noisy_copy(target, 0.5, seed=12)
+
+
+def _exact_joint(model, temperature: float, top_p: float) -> np.ndarray:
+    """P(t1, t2, t3 | PROMPT) [V, V, V] by enumerating every prefix."""
+    joint = np.zeros((V, V, V))
+    p1 = probs_from_logits(full_logits(model, PROMPT)[-1], temperature, top_p)
+    for a in range(V):
+        p2 = probs_from_logits(full_logits(model, PROMPT + [a])[-1], temperature, top_p)
+        for b in range(V):
+            p3 = probs_from_logits(full_logits(model, PROMPT + [a, b])[-1], temperature, top_p)
+            joint[a, b] = float(p1[a]) * float(p2[b]) * p3.double().numpy()
+    return joint
+
+
+def _sample(engine: NativeEngine, temperature: float, top_p: float) -> np.ndarray:
+    counts = np.zeros((V, V, V))
+    params = SamplingParams(max_tokens=3, temperature=temperature, top_p=top_p, ignore_eos=True)
+    outputs: dict[str, list[int]] = {}
+    for i in range(SAMPLES):
+        engine.add_request(str(i), PROMPT, params)
+    while engine.has_unfinished():
+        for o in engine.step():
+            outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    for toks in outputs.values():
+        counts[tuple(toks)] += 1
+    return counts
+
+
+def _p_value(counts: np.ndarray, joint: np.ndarray) -> float:
+    """Chi-square p-value; cells expecting fewer than 5 samples are pooled into one."""
+    n = counts.sum()
+    exp, obs = joint.flatten() * n, counts.flatten()
+    small = exp < 5
+    if exp[small].sum() < 1e-9:  # top_p made those cells impossible: none may occur
+        if obs[small].sum() > 0:
+            return 0.0
+        exp, obs = exp[~small], obs[~small]
+    else:
+        exp = np.append(exp[~small], exp[small].sum())
+        obs = np.append(obs[~small], obs[small].sum())
+    return float(chisquare(obs, exp * n / exp.sum()).pvalue)
+
+
+def _engine(target, draft, drafter: str, shape: str) -> NativeEngine:
+    d = DraftModelDrafter(draft, 32, 64) if drafter == "draft_model" else NgramDrafter(max_n=2, min_n=1)
+    return NativeEngine(target, d, EngineConfig(max_batch_size=32, max_seq_len=40, max_tree_nodes=20, seed=7),
+                        SpecPolicy.parse(shape))
+
+
+@pytest.mark.parametrize("drafter,shape,temperature,top_p", [
+    ("draft_model", "tree3x2", 1.0, 1.0),
+    ("ngram", "tree2x2x1", 1.0, 1.0),
+    ("draft_model", "chain2", 0.7, 0.9),
+])
+def test_speculative_sampling_matches_the_target_distribution(target, draft, drafter, shape, temperature, top_p):
+    engine = _engine(target, draft, drafter, shape)
+    counts = _sample(engine, temperature, top_p)
+    steps = engine.drain_steps()
+    accepted = sum(sum(s.accepted_per_pos) for s in steps)
+    assert accepted > SAMPLES / 10, f"too few accepted drafts ({accepted}) for the test to mean anything"
+    assert _p_value(counts, _exact_joint(target, temperature, top_p)) > 1e-3
+
+
+def test_the_check_fails_when_every_draft_is_accepted(target, draft, monkeypatch):
+    """Negative control: accepting rank-0 children unconditionally changes the distribution."""
+    def accept_everything(children, tokens, probs, generator):
+        out, row = Acceptance(path=[0]), 0
+        while children[row]:
+            node = children[row][0]
+            out.ranks.append(0)
+            out.tokens.append(tokens[node])
+            row = node + 1
+            out.path.append(row)
+        out.tokens.append(int(torch.multinomial(probs[row].double(), 1, generator=generator)))
+        return out
+
+    monkeypatch.setattr(engine_module, "accept_sampled", accept_everything)
+    counts = _sample(_engine(target, draft, "draft_model", "tree3x2"), 1.0, 1.0)
+    assert _p_value(counts, _exact_joint(target, 1.0, 1.0)) < 1e-6
+
+
+def test_exact_joint_is_a_distribution(target):
+    joint = _exact_joint(target, 1.0, 1.0)
+    assert joint.sum() == pytest.approx(1.0, abs=1e-5)
+    assert max(joint[a, b].max() for a, b in itertools.product(range(V), range(V))) < 0.9  # not degenerate
