@@ -16,6 +16,7 @@ than `shape.max_nodes` nor deeper than `shape.depth`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -29,6 +30,7 @@ from native_engine.tree import DraftTree, TreeShape, attention_mask, prune_best_
 class Drafter(Protocol):
     name: str  # telemetry's draft_method: "ngram" | "draft_model"
     max_depth: int  # deepest tree it can draft (tokens)
+    max_expanded_nodes: int  # largest full expansion of a shape (before any node budget)
 
     def propose(self, contexts: list[list[int]], shape: TreeShape) -> list[DraftTree]:
         """contexts[b]: the committed tokens of the sequence in row b, ending with the root."""
@@ -46,6 +48,7 @@ class NgramDrafter:
     min_n: int = 2  # shortest; 1-grams match too often to be worth verifying
     max_matches: int = 32  # most recent occurrences considered
     max_depth: int = 16
+    max_expanded_nodes: int = 1 << 20  # stateless: only the matches it finds bound the tree
     name: str = "ngram"
 
     def propose(self, contexts: list[list[int]], shape: TreeShape) -> list[DraftTree]:
@@ -102,12 +105,17 @@ class DraftModelDrafter:
 
     name = "draft_model"
 
-    def __init__(self, model: Transformer, rows: int, max_len: int, max_depth: int = 8):
+    def __init__(self, model: Transformer, rows: int, max_len: int, max_depth: int = 8,
+                 max_expanded_nodes: int = 128):
+        """rows, max_len: the engine's KV-cache rows and positions per row (tokens)."""
         self.model = model
         self.max_depth = max_depth
+        self.max_expanded_nodes = max_expanded_nodes
         a = model.args
         w = model.lm_head.weight
-        self.cache = KVCache.allocate(a.n_layers, rows, a.n_kv_heads, max_len, a.head_dim, w.dtype, w.device)
+        # Room after a sequence for every expanded node plus one pad column per frontier row.
+        length = max_len + 2 * max_expanded_nodes
+        self.cache = KVCache.allocate(a.n_layers, rows, a.n_kv_heads, length, a.head_dim, w.dtype, w.device)
         self.cached = [0] * rows  # [row] -> tokens of the committed sequence held in the cache
         self.device = w.device
 
@@ -148,7 +156,7 @@ class DraftModelDrafter:
             if d + 1 < shape.depth:
                 logprobs = self._expand(trees, frontier, lengths)
         for t in trees:
-            t.scores = [float(torch.tensor(s).exp()) for s in t.scores]
+            t.scores = [math.exp(s) for s in t.scores]
         if shape.budget is not None:
             trees = [prune_best_first(t, shape.budget) for t in trees]
         return trees

@@ -104,7 +104,7 @@ class NativeEngine:
             if draft_model is None:
                 raise ValueError("drafter='draft_model' needs draft_model (a model name or folder)")
             small = load_model(resolve_model(draft_model, prepare=False), dtype=dtype, device=device)
-            drafter = DraftModelDrafter(small, config.max_batch_size, config.max_seq_len + config.max_tree_nodes + 1)
+            drafter = DraftModelDrafter(small, config.max_batch_size, config.max_seq_len)
         elif drafter == "none":
             drafter = None
         elif isinstance(drafter, str):
@@ -172,10 +172,13 @@ class NativeEngine:
         """Raise PolicyError unless every config of `policy` can run on this engine."""
         policy.check_engine(self.config.max_batch_size, self.max_depth, supports_trees=True)
         for rule in policy.rules:
-            nodes = self.shape_for(rule.config).max_nodes
-            if nodes > self.config.max_tree_nodes:
-                raise PolicyError(f"{rule.config} verifies {nodes} draft nodes per sequence; this engine's KV "
-                                  f"cache leaves room for max_tree_nodes={self.config.max_tree_nodes}")
+            shape = self.shape_for(rule.config)
+            if shape.max_nodes > self.config.max_tree_nodes:
+                raise PolicyError(f"{rule.config} verifies {shape.max_nodes} draft nodes per sequence; this engine's "
+                                  f"KV cache leaves room for max_tree_nodes={self.config.max_tree_nodes}")
+            if self.drafter is not None and shape.full_nodes > self.drafter.max_expanded_nodes:
+                raise PolicyError(f"{rule.config} expands {shape.full_nodes} draft nodes before its budget; the "
+                                  f"{self.drafter.name} drafter expands at most {self.drafter.max_expanded_nodes}")
 
     def apply_policy(self, policy: SpecPolicy) -> PolicyAck:
         """Install `policy` from the next step on; stale versions are ignored, bad ones rejected."""

