@@ -4,11 +4,17 @@ One `step()` (how a serving loop drives it):
   schedule  -> reap aborted requests, admit waiting ones into free KV-cache rows
   policy    -> the running batch size picks the SpecConfig (a dense table, O(1))
   draft     -> the drafter proposes a token tree per decoding sequence
-  verify    -> one target pass over root + tree nodes of every decoding sequence
-  accept    -> greedy or exact stochastic acceptance (verify.py) per sequence
+  verify    -> one target pass over root + tree nodes of every decoding sequence, then
+               greedy or exact stochastic acceptance (verify.py) per sequence
+  commit    -> KV cache kept to the accepted path, tokens appended, finish checks
   prefill   -> one target pass over the newly admitted prompts, first token sampled
-  update    -> KV cache kept to the accepted path, tokens appended, finished rows freed
+  release   -> finished rows freed, later rows moved down
   record    -> a StepRecord (adaspec.telemetry) for the controller
+
+Drafts are always deterministic candidates (n-gram matches, a draft model's top-w), so
+sampling uses the point-mass form of recursive rejection sampling (verify.accept_sampled).
+Not thread-safe: a serving wrapper calls add_request / abort / step from one thread (or
+under one lock).
 
 Rows: running requests occupy KV-cache rows 0..B-1, decoding ones first, in admission
 order; a finished request's row is refilled by moving later rows down, so every forward
