@@ -219,3 +219,14 @@ class SpecPolicy(BaseModel):
             parts.append(f"{rng}:{r.config}")
         return ",".join(parts)
 
+
+class PolicyAck(BaseModel):
+    """A replica's answer to a policy push."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    replica_id: str = ""
+    status: str  # applied | ignored_stale | rejected
+    version_in_force: int
+    policy_in_force: str
+    message: str = ""

@@ -106,8 +106,11 @@ def _write_atomically(path: Path, data: bytes) -> None:
 
 def get_or_create_controller(config: ControllerConfig):
     """The cluster's controller actor, created by whichever replica asks first."""
+    # scheduling_strategy="DEFAULT": a replica runs inside its placement group with child
+    # capture on, and a controller captured there would die with the first replica that asks.
     return ControllerActor.options(
         name=CONTROLLER_NAME, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+        scheduling_strategy="DEFAULT",
     ).remote(config)
 
 

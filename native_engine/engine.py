@@ -31,9 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from pydantic import BaseModel, ConfigDict
 
-from adaspec.policy import PolicyError, SpecConfig, SpecPolicy
+from adaspec.policy import PolicyAck, PolicyError, SpecConfig, SpecPolicy
 from adaspec.telemetry import EngineCapabilities, StepRecord
 from native_engine.drafters import Drafter, NgramDrafter
 from native_engine.kv_cache import KVCache
@@ -54,18 +53,6 @@ class EngineConfig:
     tree_budget: int | None = None  # best-first node budget applied to every tree config
     max_prefill_tokens: int = 8192  # prompt tokens admitted per step (at least one request)
     seed: int = 0  # engine sampling generator (requests without their own seed)
-
-
-class PolicyAck(BaseModel):
-    """A replica's answer to a policy push (the same fields as serve_app's vLLM path)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    replica_id: str = ""
-    status: str  # applied | ignored_stale | rejected
-    version_in_force: int
-    policy_in_force: str
-    message: str = ""
 
 
 class NativeEngine:

@@ -17,14 +17,14 @@ from typing import Any, AsyncGenerator
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from adaspec.policy import SpecPolicy
+from adaspec.policy import PolicyAck, SpecPolicy
 from adaspec.telemetry import EngineCapabilities, ReplicaTelemetry, StepRecord, summarize_acceptance
 from controller.config import ControllerConfig
 from ray import serve
 from ray.llm._internal.serve.core.server.llm_server import LLMServer
 from ray.util import metrics
 from serve_app.vllm_engine import AdaspecVLLMEngine
-from serve_app.vllm_scheduler import EngineCoreReport, PolicyAck
+from serve_app.vllm_scheduler import EngineCoreReport
 
 logger = logging.getLogger("ray.serve")
 

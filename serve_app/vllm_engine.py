@@ -7,9 +7,9 @@ the scheduler module explains.
 
 from __future__ import annotations
 
-from adaspec.policy import SpecPolicy
+from adaspec.policy import PolicyAck, SpecPolicy
 from ray.llm._internal.serve.engines.vllm.vllm_engine import VLLMEngine
-from serve_app.vllm_scheduler import EngineCoreReport, PolicyAck
+from serve_app.vllm_scheduler import EngineCoreReport
 
 SCHEDULER_CLS = "serve_app.vllm_scheduler.AdaspecScheduler"
 

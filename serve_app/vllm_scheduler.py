@@ -22,23 +22,11 @@ from collections import deque
 
 from pydantic import BaseModel, ConfigDict
 
-from adaspec.policy import OPEN_END, PolicyError, PolicyRule, SpecConfig, SpecPolicy
+from adaspec.policy import OPEN_END, PolicyAck, PolicyError, PolicyRule, SpecConfig, SpecPolicy
 from adaspec.telemetry import StepRecord
 from vllm.v1.core.sched.scheduler import Scheduler
 
 MAX_BUFFERED_STEPS = 20_000  # steps kept between two drains; older ones are dropped
-
-
-class PolicyAck(BaseModel):
-    """A replica's answer to a policy push."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    replica_id: str = ""
-    status: str  # applied | ignored_stale | rejected
-    version_in_force: int
-    policy_in_force: str
-    message: str = ""
 
 
 class EngineCoreReport(BaseModel):

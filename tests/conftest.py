@@ -16,6 +16,17 @@ MODEL = "smollm2-135m-instruct"
 URL = "http://127.0.0.1:8000"  # configs/app.yaml's http_options
 
 
+@pytest.fixture
+def one_torch_thread():
+    """Native-engine tests run torch on one thread: steadier timings, a core left for the rest."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _port_in_use(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0

@@ -59,7 +59,8 @@ def _run_concurrently(client, max_tokens: list[int], prompt: str = REPETITIVE) -
     results: list[dict] = [None] * len(max_tokens)
 
     def one(i: int, n: int) -> None:
-        results[i] = complete(client, prompt, max_tokens=n)
+        # ignore_eos: identical greedy sequences would otherwise all stop at the same EOS.
+        results[i] = complete(client, prompt, max_tokens=n, ignore_eos=True)
 
     threads = [threading.Thread(target=one, args=(i, n)) for i, n in enumerate(max_tokens)]
     for t in threads:
@@ -142,17 +143,25 @@ def _per_pos_counter(metrics: str, name: str) -> dict[int, float]:
     return out
 
 
+def _settled_counter(server, name: str, quiet_s: float = 12.0, timeout_s: float = 120.0) -> dict[int, float]:
+    """The counter once it has not moved for `quiet_s`: longer than Ray's metrics export
+    period (10 s by default), so no increment is still on its way to Prometheus."""
+    last, quiet_since = _per_pos_counter(server.metrics_text(), name), time.time()
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        time.sleep(2)
+        now = _per_pos_counter(server.metrics_text(), name)
+        if now != last:
+            last, quiet_since = now, time.time()
+        elif time.time() - quiet_since >= quiet_s:
+            break
+    return last
+
+
 def test_acceptance_agrees_with_vllm_counters(server, client):
     name = "ray_vllm_spec_decode_num_accepted_tokens_per_pos_total"
     _applied_version(push_policy(client, "chain4"))
-    # Ray exports metrics every few seconds: wait until earlier tests' counts have settled.
-    before = _per_pos_counter(server.metrics_text(), name)
-    for _ in range(15):
-        time.sleep(4)
-        now = _per_pos_counter(server.metrics_text(), name)
-        if now == before:
-            break
-        before = now
+    before = _settled_counter(server, name)
     start = time.time()
     for prompt in PROMPTS:
         complete(client, prompt, max_tokens=40)
@@ -161,14 +170,10 @@ def test_acceptance_agrees_with_vllm_counters(server, client):
         for pos, n in enumerate(s["accepted_per_pos"]):
             ours[pos] = ours.get(pos, 0) + n
     assert sum(ours.values()) > 0, "nothing was accepted; the check would be empty"
-    for _ in range(30):
-        after = _per_pos_counter(server.metrics_text(), name)
-        theirs = {p: int(after.get(p, 0) - before.get(p, 0)) for p in set(after) | set(ours)}
-        theirs = {p: n for p, n in theirs.items() if n or p in ours}
-        if theirs == ours:
-            break
-        time.sleep(1)
-    assert theirs == ours
+    after = _settled_counter(server, name)
+    theirs = {p: int(after.get(p, 0) - before.get(p, 0)) for p in set(after) | set(ours)}
+    theirs = {p: n for p, n in theirs.items() if n or p in ours}
+    assert theirs == ours, f"vLLM counted {theirs}, adaspec telemetry {ours}"
 
 
 def test_greedy_output_is_identical_under_every_policy(client):

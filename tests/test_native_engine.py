@@ -21,12 +21,7 @@ from native_engine.tree import attention_mask
 SHAPES = ["off", "chain1", "chain4", "tree2x2", "tree4x2x2x1", "tree3x3x2@10"]  # @N: best-first budget
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

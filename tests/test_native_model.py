@@ -16,12 +16,7 @@ from native_engine.testing import full_logits, tiny_args
 from native_engine.tree import attention_mask
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _hf_pair(arch: str, tie: bool, **extra):

@@ -30,12 +30,7 @@ PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]  # repeats, so n-gram lookup proposes drafts t
 SAMPLES = 3000
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -20,12 +20,7 @@ PROMPTS = ["The capital of France is", "The cat sat on the mat. The dog sat on t
 MAX_TOKENS = 20
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
