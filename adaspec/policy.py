@@ -230,3 +230,17 @@ class PolicyAck(BaseModel):
     version_in_force: int
     policy_in_force: str
     message: str = ""
+
+
+def full_tree_parents(widths: tuple[int, ...]) -> list[int]:
+    """Parents array of the full tree with `widths` children per node at each depth (BFS order)."""
+    parents: list[int] = []
+    frontier = [-1]
+    for w in widths:
+        nxt = []
+        for p in frontier:
+            for _ in range(w):
+                parents.append(p)
+                nxt.append(len(parents) - 1)
+        frontier = nxt
+    return parents

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from adaspec.policy import SpecConfig
+from adaspec.policy import SpecConfig, full_tree_parents
 
 
 @dataclass(frozen=True)
@@ -77,20 +77,6 @@ class DraftTree:
         for i, p in enumerate(self.parents):
             out[p + 1].append(i)
         return out
-
-
-def full_tree_parents(widths: tuple[int, ...]) -> list[int]:
-    """Parents array of the full tree with `widths` children per node at each depth (BFS order)."""
-    parents: list[int] = []
-    frontier = [-1]
-    for w in widths:
-        nxt = []
-        for p in frontier:
-            for _ in range(w):
-                parents.append(p)
-                nxt.append(len(parents) - 1)
-        frontier = nxt
-    return parents
 
 
 def prune_best_first(tree: DraftTree, budget: int) -> DraftTree:

@@ -38,6 +38,13 @@ class Acceptance:
     ranks: list[int] = field(default_factory=list)  # [depth - 1] -> sibling rank of the accepted node
     tokens: list[int] = field(default_factory=list)  # tokens gained: accepted nodes' then the bonus
 
+    def accept(self, rank: int, node: int, token: int) -> int:
+        """Record the accepted child `node` (sibling `rank`); returns its verify row."""
+        self.ranks.append(rank)
+        self.tokens.append(token)
+        self.path.append(node + 1)
+        return node + 1
+
     @property
     def num_accepted(self) -> int:
         """Draft tokens accepted (the bonus token excluded)."""
@@ -65,10 +72,7 @@ def accept_greedy(children: list[list[int]], tokens: list[int], argmax: list[int
         want = argmax[row]
         for rank, node in enumerate(children[row]):
             if tokens[node] == want:
-                out.ranks.append(rank)
-                out.tokens.append(want)
-                row = node + 1
-                out.path.append(row)
+                row = out.accept(rank, node, want)
                 break
         else:
             out.tokens.append(want)  # bonus token
@@ -106,11 +110,7 @@ def accept_sampled(children: list[list[int]], tokens: list[int], probs: torch.Te
                 residual = probs[row].detach().to("cpu", torch.float64)
             out.tokens.append(int(torch.multinomial(residual, 1, generator=generator)))
             return out
-        rank, node, x = accepted
-        out.ranks.append(rank)
-        out.tokens.append(x)
-        row = node + 1
-        out.path.append(row)
+        row = out.accept(*accepted)
 
 
 def accept_sampled_from_draft(children: list[list[int]], tokens: list[int], probs: torch.Tensor,
@@ -138,8 +138,4 @@ def accept_sampled_from_draft(children: list[list[int]], tokens: list[int], prob
         if accepted is None:
             out.tokens.append(int(torch.multinomial(p, 1, generator=generator)))
             return out
-        rank, node, x = accepted
-        out.ranks.append(rank)
-        out.tokens.append(x)
-        row = node + 1
-        out.path.append(row)
+        row = out.accept(*accepted)

@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from adaspec.policy import SpecConfig
+from adaspec.policy import SpecConfig, full_tree_parents
 from adaspec.telemetry import StepRecord
 from controller.acceptance import (
     AcceptanceModel,
@@ -79,14 +79,7 @@ def test_widths_formula_equals_the_explicit_tree():
     rng = np.random.default_rng(0)
     q = marginal_from_conditional(rng.uniform(0.1, 0.9, size=(16, 8)))
     widths = (3, 2, 2, 1)
-    parents, level = [], [-1]
-    for w in widths:
-        nxt = []
-        for parent in level:
-            for _ in range(w):
-                parents.append(parent)
-                nxt.append(len(parents) - 1)
-        level = nxt
+    parents = full_tree_parents(widths)
     assert expected_accepted_length(SpecConfig.tree(widths), q) == pytest.approx(tree_expected_length(parents, q))
     assert len(parents) == SpecConfig.tree(widths).num_nodes
 
