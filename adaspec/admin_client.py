@@ -82,8 +82,16 @@ def format_controller(view: dict | None) -> str:
             f"(decision {fmt(r['decision_ms'], unit=' ms')})",
             f"    step time measured {fmt(r['measured_step_s'], 1000, ' ms')}, "
             f"predicted {fmt(r['predicted_step_s'], 1000, ' ms')}; predicted batch "
-            f"{fmt(r['operating_batch'])}, latency {fmt(r['predicted_latency_s'], unit=' s')}",
+            f"{fmt(r['operating_batch'])}, latency {fmt(r['predicted_latency_s'], unit=' s')} "
+            f"(measured {fmt(r['measured_latency_s'], unit=' s')})",
         ]
+        for c in r["latency_fits"]:
+            fit = c["fit"]
+            lines.append(
+                f"    latency fit {fit['config']}: C1 {c['c1_s']:.2f} s + B x C2 {c['c2_s']:.3f} s "
+                f"({fit['samples']} requests, batch {fit['batch_lo']:.1f}-{fit['batch_hi']:.1f}, "
+                f"error {100 * fit['relative_error']:.0f}%); saturates at {fmt(c['saturation_rate'], unit=' req/s')}"
+                + ("" if fit["config"] == "off" else f", slower than off beyond {fmt(c['break_even_rate'], unit=' req/s')}"))
     return "\n".join(lines)
 
 

@@ -14,6 +14,7 @@ Acceptance terms (Leviathan et al. 2023; vLLM's spec-decode metrics):
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -48,6 +49,52 @@ class StepRecord:
     accepted_per_depth_rank: list[list[int]] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class RequestRecord:
+    """One finished request, as the engine saw it (its latency includes queueing)."""
+
+    arrival_time: float  # unix seconds the engine received it
+    finish_time: float  # unix seconds it finished
+    prompt_tokens: int
+    output_tokens: int
+    mean_batch: float  # mean batch size (requests) of the steps that ran it
+    config: str  # the SpecConfig that ran most of its steps
+
+    @property
+    def latency_s(self) -> float:
+        return self.finish_time - self.arrival_time
+
+
+class RequestLifetimes:
+    """Per running request, the batch sizes and configs of the steps that ran it, so that a
+    finished request can say which config governed it. Both engines keep one; the
+    controller fits request latency per config from the records (controller/latency.py)."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, tuple[int, int, dict[str, int]]] = {}  # id -> batch sum, steps, config steps
+
+    def step(self, request_ids, batch_size: int, config: str) -> None:
+        for rid in request_ids:
+            batch_sum, steps, configs = self._open.get(rid, (0, 0, {}))
+            configs[config] = configs.get(config, 0) + 1
+            self._open[rid] = (batch_sum + batch_size, steps + 1, configs)
+
+    def finish(self, request_id: str, arrival_time: float, prompt_tokens: int, output_tokens: int,
+               finish_time: float | None = None) -> RequestRecord | None:
+        """The record of a request that completed (None if no step ran it)."""
+        entry = self._open.pop(request_id, None)
+        if entry is None:
+            return None
+        batch_sum, steps, configs = entry
+        return RequestRecord(arrival_time=arrival_time, finish_time=time.time() if finish_time is None else finish_time,
+                             prompt_tokens=prompt_tokens, output_tokens=output_tokens,
+                             mean_batch=batch_sum / steps, config=max(configs, key=configs.get))
+
+    def discard(self, request_id: str) -> None:
+        """Forget an aborted request: its latency says nothing about the engine."""
+        self._open.pop(request_id, None)
+
+
 class EngineCapabilities(BaseModel):
     """What policies an engine can run; a policy is validated against this."""
 
@@ -76,6 +123,7 @@ class ReplicaTelemetry(BaseModel):
     running: int = Field(description="requests in the engine's running batch now")
     policy: SpecPolicy
     steps: list[StepRecord]
+    requests: list[RequestRecord] = Field(default_factory=list, description="requests finished in the window")
 
     @property
     def arrival_rate(self) -> float:

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from adaspec.policy import OPEN_END, PolicyRule, SpecConfig, SpecPolicy
-from adaspec.telemetry import EngineCapabilities, ReplicaTelemetry, StepRecord
+from adaspec.telemetry import EngineCapabilities, ReplicaTelemetry, RequestRecord, StepRecord
 from controller.acceptance import AcceptanceModel, expected_accepted_length
 from controller.config import ControllerConfig
+from controller.latency import LatencyFit, break_even_rate, fit_request_latency
 from controller.policy_search import (
     CostTable,
     Decision,
@@ -32,6 +34,20 @@ from controller.step_time import FitReport, StepTimeModel, step_features
 LOAD_HALF_LIFE_S = 5.0  # memory of the load estimates (arrival rate, batch, lengths)
 EXPLORE_STEPS = 20  # steps a (batch bucket, config) needs before the step-time model is trusted there
 VIEW_STEPS = 64  # steps kept per replica to compare predicted and measured step time
+LATENCY_WINDOW = 256  # finished requests kept per (deployment, config) for the latency fit
+
+
+class ConfigLatency(BaseModel):
+    """A config's measured latency curve, scaled to this replica's output length."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    fit: LatencyFit
+    c1_s: float  # latency of a lone request (seconds)
+    c2_s: float  # latency added per concurrent request (seconds)
+    saturation_rate: float  # requests/s where latency diverges
+    latency_at_rate_s: float  # L = C1 / (1 - rate * C2) at the replica's arrival rate
+    break_even_rate: float | None  # requests/s beyond which this config is slower than off
 
 
 class ReplicaView(BaseModel):
@@ -54,6 +70,8 @@ class ReplicaView(BaseModel):
     predicted_latency_s: float | None
     measured_step_s: float | None  # mean over the last steps
     predicted_step_s: float | None  # the model's prediction for the same steps
+    measured_latency_s: float | None  # mean request latency, recent requests (decayed)
+    latency_fits: list[ConfigLatency]  # per config, from the deployment's measured requests
 
 
 class ControllerView(BaseModel):
@@ -141,6 +159,8 @@ class _Replica:
     batch: float | None = None
     generated: float = 0.0  # decayed output tokens produced
     finished: float = 0.0  # decayed requests finished
+    latency_sum: float = 0.0  # decayed seconds of the finished requests with records
+    latency_count: float = 0.0
 
     @property
     def output_tokens(self) -> float | None:
@@ -149,6 +169,10 @@ class _Replica:
     recent_steps: list[StepRecord] = field(default_factory=list)
     decision: Decision | None = None
     last_probe: float = -1e18
+
+    @property
+    def measured_latency_s(self) -> float | None:
+        return self.latency_sum / self.latency_count if self.latency_count >= 1.0 else None
 
 
 @dataclass
@@ -163,6 +187,32 @@ class _Deployment:
     model_version: int = 0
     costs_version: int = -1
     samples_at_fit: int = 0
+    requests: dict[str, deque[RequestRecord]] = field(default_factory=dict)  # config -> recent finished
+
+    def latency_fits(self) -> dict[str, LatencyFit]:
+        fits = {c: fit_request_latency(c, list(rs)) for c, rs in self.requests.items()}
+        return {c: f for c, f in fits.items() if f is not None}
+
+
+def _config_latencies(fits: dict[str, LatencyFit], output_tokens: float, rate: float) -> list[ConfigLatency]:
+    off = fits.get("off")
+    out = []
+    for config, fit in sorted(fits.items()):
+        coef = fit.coefficients(output_tokens)
+        even = None
+        if off is not None and config != "off":
+            even = break_even_rate(off.coefficients(output_tokens), coef)
+        out.append(ConfigLatency(fit=fit, c1_s=coef.c1_s, c2_s=coef.c2_s, saturation_rate=coef.saturation_rate,
+                                 latency_at_rate_s=coef.mean_latency(rate), break_even_rate=even))
+    return out
+
+
+def _add_missing_fields(obj) -> None:
+    """Give an object unpickled from an older checkpoint the fields added since."""
+    for f in dataclasses.fields(obj):
+        if not hasattr(obj, f.name):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            setattr(obj, f.name, default)
 
 
 class ControllerCore:
@@ -208,6 +258,8 @@ class ControllerCore:
         keep = 0.5 ** (max(dt, 0.0) / (4 * LOAD_HALF_LIFE_S))
         rep.generated = keep * rep.generated + sum(s.num_decode_reqs + sum(s.accepted_per_pos) for s in steps)
         rep.finished = keep * rep.finished + tel.finished
+        rep.latency_sum = keep * rep.latency_sum + sum(r.latency_s for r in tel.requests)
+        rep.latency_count = keep * rep.latency_count + len(tel.requests)
 
         dep = self.deployments.get(tel.model_id)
         if dep is None:
@@ -218,6 +270,8 @@ class ControllerCore:
         for s in steps:
             key = (_bucket_of(s.batch_size, tel.capabilities.max_batch_size), s.config)
             dep.seen[key] = dep.seen.get(key, 0) + 1
+        for r in tel.requests:
+            dep.requests.setdefault(r.config, deque(maxlen=LATENCY_WINDOW)).append(r)
         eligible = sum(s.num_decode_reqs for s in steps if s.draft_k >= 1)
         if eligible:
             proposed = sum(s.num_drafts for s in steps if s.draft_k >= 1)
@@ -322,6 +376,7 @@ class ControllerCore:
     def view(self, now: float | None = None) -> ControllerView:
         now = time.time() if now is None else now
         views = []
+        fits = {model_id: dep.latency_fits() for model_id, dep in self.deployments.items()}
         for rid, rep in self.replicas.items():
             dep = self.deployments[rep.model_id]
             measured = predicted = None
@@ -341,7 +396,9 @@ class ControllerCore:
                 chosen_policy=str(d.policy) if d else None, decision_ms=1000 * d.elapsed_s if d else None,
                 operating_batch=d.operating_batch if d else None,
                 predicted_latency_s=d.predicted_latency_s if d else None,
-                measured_step_s=measured, predicted_step_s=predicted))
+                measured_step_s=measured, predicted_step_s=predicted,
+                measured_latency_s=rep.measured_latency_s,
+                latency_fits=_config_latencies(fits[rep.model_id], rep.output_tokens or 128.0, rep.rate or 0.0)))
         return ControllerView(
             paused=self.paused, restored_from_checkpoint=self.restored, decisions=self.decisions,
             policies_pushed=self.pushed, replicas=views,
@@ -356,6 +413,8 @@ class ControllerCore:
     def load_state(self, state: dict) -> None:
         self.replicas = state["replicas"]
         self.deployments = state["deployments"]
+        for obj in [*self.replicas.values(), *self.deployments.values()]:
+            _add_missing_fields(obj)
         self.paused = state["paused"]
         self.decisions = state["decisions"]
         self.pushed = state["pushed"]

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+from adaspec.telemetry import RequestRecord
 
 
 @dataclass(frozen=True)
@@ -85,3 +88,46 @@ def break_even_rate(base: LatencyCoefficients, spec: LatencyCoefficients) -> flo
     if c1r >= 1:
         return 0.0
     return math.inf if denominator <= 0 else (1 - c1r) / denominator
+
+
+MIN_FIT_REQUESTS = 8  # finished requests of one config before its latency is fitted
+
+
+class LatencyFit(BaseModel):
+    """Kong et al.'s L = C1 + B * C2, fitted on one config's measured requests.
+
+    Fitted per output token (L / output tokens), so that requests of different lengths
+    share one fit; `coefficients(n)` scales it to requests of n output tokens."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    config: str
+    samples: int  # requests fitted
+    batch_lo: float  # smallest and largest mean batch among them (requests)
+    batch_hi: float
+    c1_per_token_s: float  # seconds per output token of a lone request
+    c2_per_token_s: float  # seconds per output token added by each concurrent request
+    relative_error: float  # mean |fit - measured| / measured over the samples
+
+    def coefficients(self, output_tokens: float) -> LatencyCoefficients:
+        return LatencyCoefficients(self.c1_per_token_s * output_tokens, self.c2_per_token_s * output_tokens)
+
+
+def fit_request_latency(config: str, records: Sequence[RequestRecord]) -> LatencyFit | None:
+    """The fit over finished requests of `config`; None below MIN_FIT_REQUESTS.
+
+    With every request at one batch size C1 and C2 cannot be told apart; the fit then
+    puts it all in C1 (nnls), and batch_lo == batch_hi tells the reader so."""
+    rows = [r for r in records if r.output_tokens > 0]
+    if len(rows) < MIN_FIT_REQUESTS:
+        return None
+    batch = np.array([r.mean_batch for r in rows])
+    per_token = np.array([r.latency_s / r.output_tokens for r in rows])
+    if np.ptp(batch) < 0.5:
+        coef = LatencyCoefficients(float(per_token.mean()), 0.0)
+    else:
+        coef = fit_latency_coefficients(batch, per_token)
+    predicted = coef.c1_s + batch * coef.c2_s
+    error = float(np.mean(np.abs(predicted - per_token) / np.maximum(per_token, 1e-9)))
+    return LatencyFit(config=config, samples=len(rows), batch_lo=float(batch.min()), batch_hi=float(batch.max()),
+                      c1_per_token_s=coef.c1_s, c2_per_token_s=coef.c2_s, relative_error=error)

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from adaspec.policy import PolicyAck, PolicyError, SpecConfig, SpecPolicy
-from adaspec.telemetry import EngineCapabilities, StepRecord
+from adaspec.telemetry import EngineCapabilities, RequestLifetimes, RequestRecord, StepRecord
 from native_engine.drafters import Drafter, NgramDrafter
 from native_engine.kv_cache import KVCache
 from native_engine.model import Transformer, causal_mask, load_model
@@ -71,6 +71,8 @@ class NativeEngine:
         self._aborted: list[Request] = []
         self._ids: set[str] = set()
         self._steps: deque[StepRecord] = deque(maxlen=MAX_BUFFERED_STEPS)
+        self._lifetimes = RequestLifetimes()
+        self._finished_requests: deque[RequestRecord] = deque(maxlen=MAX_BUFFERED_STEPS)
         self._generator = torch.Generator().manual_seed(config.seed)
         policy = policy or SpecPolicy.uniform(SpecConfig.off())
         self.validate_policy(policy)
@@ -148,6 +150,12 @@ class NativeEngine:
         self._steps.clear()
         return steps
 
+    def drain_requests(self) -> list[RequestRecord]:
+        """Requests finished (not aborted) since the previous drain (oldest first)."""
+        records = list(self._finished_requests)
+        self._finished_requests.clear()
+        return records
+
     def capabilities(self) -> EngineCapabilities:
         return EngineCapabilities(engine="native", max_batch_size=self.config.max_batch_size,
                                   max_k=self.max_depth, supports_trees=True,
@@ -198,6 +206,7 @@ class NativeEngine:
         config = self._table[len(self.running)]
         shape = self.shape_for(config)
         decode = self.running[: len(self.running) - len(new)]
+        self._lifetimes.step([r.request_id for r in self.running], len(self.running), str(config))
         context = sum(r.cache_len for r in decode)
         trees = self._draft(decode, shape)
         results, verified = self._verify(decode, trees)
@@ -216,6 +225,7 @@ class NativeEngine:
             if req in self.waiting:
                 self.waiting.remove(req)
             self._ids.discard(req.request_id)
+            self._lifetimes.discard(req.request_id)
             outs.append(RequestOutput(req.request_id, [], True, "abort", len(req.prompt), len(req.output), req.text))
         self._aborted.clear()
         self._release_finished()
@@ -313,6 +323,7 @@ class NativeEngine:
         for req in self.running:
             if req.finished:
                 self._ids.discard(req.request_id)
+                self._close_lifetime(req)
         for i, req in enumerate(alive):
             if req.row != i:
                 self.cache.move_row(req.row, i, req.cache_len)
@@ -335,6 +346,14 @@ class NativeEngine:
         ))
 
     # ------------------------------------------------------------------ helpers
+    def _close_lifetime(self, req: Request) -> None:
+        if req.finish_reason == "abort":
+            self._lifetimes.discard(req.request_id)
+            return
+        record = self._lifetimes.finish(req.request_id, req.arrival, len(req.prompt), len(req.output))
+        if record is not None:
+            self._finished_requests.append(record)
+
     def _decode_fn(self, req: Request):
         if self.tokenizer is None:
             return None

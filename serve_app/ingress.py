@@ -18,7 +18,7 @@ import asyncio
 import time
 from typing import Literal
 
-from fastapi import Request, status
+from fastapi import Request, Response, status
 from pydantic import BaseModel, ConfigDict, Field
 
 from adaspec.policy import PolicyError, SpecPolicy
@@ -41,6 +41,12 @@ class PolicyRequest(BaseModel):
 
     table: str = Field(description="policy table, e.g. `1-2:chain4,3-8:chain2,9+:off`")
     version: int | None = Field(default=None, ge=0, description="default: now, in milliseconds")
+
+
+def _json_response(model: BaseModel) -> Response:
+    # pydantic's JSON writes inf (a saturated latency, a never-reached break-even rate) as
+    # null; the default JSON response would refuse it.
+    return Response(content=model.model_dump_json(), media_type="application/json")
 
 
 def new_policy_version() -> int:
@@ -110,12 +116,12 @@ class AdaspecIngress(OpenAiIngress):
     async def admin_controller(self, request: Request):
         self._check_admin(request)
         view = await (await self._controller()).view.remote()
-        return view.model_dump(mode="json")
+        return _json_response(view)
 
     async def admin_controller_action(self, body: ControllerRequest, request: Request):
         self._check_admin(request)
         view = await (await self._controller()).set_paused.remote(body.action == "pause")
-        return view.model_dump(mode="json")
+        return _json_response(view)
 
 
 ENDPOINTS = {

@@ -18,7 +18,7 @@ from typing import Any, AsyncGenerator
 from pydantic import BaseModel, ConfigDict, Field
 
 from adaspec.policy import PolicyAck, SpecPolicy
-from adaspec.telemetry import EngineCapabilities, ReplicaTelemetry, StepRecord, summarize_acceptance
+from adaspec.telemetry import EngineCapabilities, ReplicaTelemetry, RequestRecord, StepRecord, summarize_acceptance
 from controller.config import ControllerConfig
 from ray import serve
 from ray.llm._internal.serve.core.server.llm_server import LLMServer
@@ -79,6 +79,7 @@ class SpecReplica(LLMServer):
     async def __init__(self, llm_config, *, settings: ReplicaSettings, **kwargs: Any):
         self._settings = settings
         self._steps: deque[StepRecord] = deque()
+        self._requests: deque[RequestRecord] = deque()  # finished, as the engine saw them
         self._arrivals: deque[float] = deque()  # unix seconds
         self._finishes: deque[float] = deque()
         self._report: EngineCoreReport | None = None
@@ -146,6 +147,7 @@ class SpecReplica(LLMServer):
             finished=sum(1 for t in self._finishes if t > window_start),
             queue_length=self._report.waiting, running=self._report.running,
             policy=self._report.policy, steps=steps,
+            requests=[r for r in self._requests if r.finish_time > window_start],
         )
 
     # ------------------------------------------------------------------ engine polling
@@ -155,10 +157,13 @@ class SpecReplica(LLMServer):
             logger.warning("adaspec: %d step records dropped (poll too slow)", report.dropped_steps)
         self._report = report
         self._steps.extend(report.steps)
+        self._requests.extend(report.requests)
         horizon = time.time() - self._settings.window_s
         for q in (self._steps, self._arrivals, self._finishes):
             while q and (q[0].time if isinstance(q[0], StepRecord) else q[0]) < horizon:
                 q.popleft()
+        while self._requests and self._requests[0].finish_time < horizon:
+            self._requests.popleft()
         self._metrics.observe(report, report.running)
 
     async def _report_forever(self) -> None:

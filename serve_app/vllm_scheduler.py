@@ -23,8 +23,9 @@ from collections import deque
 from pydantic import BaseModel, ConfigDict
 
 from adaspec.policy import OPEN_END, PolicyAck, PolicyError, PolicyRule, SpecConfig, SpecPolicy
-from adaspec.telemetry import StepRecord
+from adaspec.telemetry import RequestLifetimes, RequestRecord, StepRecord
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
 
 MAX_BUFFERED_STEPS = 20_000  # steps kept between two drains; older ones are dropped
 
@@ -35,6 +36,7 @@ class EngineCoreReport(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     steps: list[StepRecord]
+    requests: list[RequestRecord]  # requests finished since the last drain
     dropped_steps: int  # steps lost because the buffer was full
     waiting: int  # requests queued in the scheduler
     running: int  # requests in the running batch
@@ -71,6 +73,8 @@ class AdaspecScheduler(Scheduler):
         self._pending: dict[int, tuple[float, StepRecord]] = {}  # id(scheduler_output) -> start
         self._step_spec_stats = None
         self._prev_k = 0  # k decided by the previous step: what this step verifies
+        self._lifetimes = RequestLifetimes()
+        self._finished: deque[RequestRecord] = deque(maxlen=MAX_BUFFERED_STEPS)
 
     # ------------------------------------------------------------------ control channel
     def __bool__(self) -> bool:  # EngineCore evaluates `getattr(...) and call(...)`
@@ -105,10 +109,12 @@ class AdaspecScheduler(Scheduler):
     def _drain(self) -> EngineCoreReport:
         steps = list(self._steps)
         self._steps.clear()
+        requests = list(self._finished)
+        self._finished.clear()
         dropped = self._recorded - self._drained - len(steps)
         self._drained = self._recorded
         running, waiting = self.get_request_counts()
-        return EngineCoreReport(steps=steps, dropped_steps=max(dropped, 0), waiting=waiting,
+        return EngineCoreReport(steps=steps, requests=requests, dropped_steps=max(dropped, 0), waiting=waiting,
                                 running=running, policy=self._policy,
                                 max_batch_size=self._max_batch, max_k=self.num_spec_tokens)
 
@@ -139,7 +145,18 @@ class AdaspecScheduler(Scheduler):
         )
         self._prev_k = output.num_spec_tokens_to_schedule
         self._pending[id(output)] = (start, record)
+        self._lifetimes.step(num_scheduled, batch, record.config)
         return output
+
+    def _free_request(self, request, *args, **kwargs):
+        if request.status == RequestStatus.FINISHED_ABORTED:
+            self._lifetimes.discard(request.request_id)
+        else:
+            record = self._lifetimes.finish(request.request_id, request.arrival_time,
+                                            request.num_prompt_tokens, request.num_output_tokens)
+            if record is not None:
+                self._finished.append(record)
+        return super()._free_request(request, *args, **kwargs)
 
     def make_stats(self, spec_decoding_stats=None, *args, **kwargs):
         # Called once per update_from_output with this step's SpecDecodingStats.

@@ -7,9 +7,10 @@ from __future__ import annotations
 import pickle
 
 import numpy as np
+import pytest
 
 from adaspec.policy import SpecConfig, SpecPolicy
-from adaspec.telemetry import EngineCapabilities, ReplicaTelemetry, StepRecord
+from adaspec.telemetry import EngineCapabilities, ReplicaTelemetry, RequestRecord, StepRecord
 from controller.config import ControllerConfig
 from controller.core import ControllerCore
 from tests.test_controller_math import synthetic_step_time
@@ -119,3 +120,60 @@ def test_checkpoint_restores_models_and_policies():
     # The restored controller keeps deciding from where it stopped.
     assert restored.decide("r1", now=t + 1.0).policy.config_for(4) == SpecConfig.parse(
         str(core.decide("r1", now=t + 1.0).policy.config_for(4)))
+
+
+def _requests(rng, config: str, n: int, batch: float, c1: float, c2: float, end: float) -> list[RequestRecord]:
+    """Finished requests whose latency per output token is c1 + batch x c2, with 3% noise."""
+    out = []
+    for _ in range(n):
+        tokens = int(rng.integers(16, 256))
+        latency = tokens * (c1 + batch * c2) * rng.lognormal(0, 0.03)
+        out.append(RequestRecord(arrival_time=end - latency, finish_time=end, prompt_tokens=100,
+                                 output_tokens=tokens, mean_batch=batch, config=config))
+    return out
+
+
+def test_latency_is_fitted_per_config_from_finished_requests():
+    """Kong et al.'s C1, C2 per config from measured requests: off costs more per token
+    alone, chain2 more per concurrent request, so chain2 loses beyond a break-even rate."""
+    rng = np.random.default_rng(0)
+    core = ControllerCore(ControllerConfig(enabled=True))
+    replica = SimulatedReplica("r1", alpha=0.6)
+    truth = {"off": (0.040, 0.002), "chain2": (0.025, 0.004)}
+    t = 0.0
+    for batch in (1, 2, 4, 8, 16):
+        requests = [r for config, (c1, c2) in truth.items() for r in _requests(rng, config, 6, batch, c1, c2, t + 1)]
+        tel = replica.telemetry(t, 1.0, batch, arrivals=len(requests)).model_copy(update={"requests": requests})
+        t += 1.0
+        core.observe(tel, now=t)
+    (view,) = core.view(now=t).replicas
+    fits = {c.fit.config: c for c in view.latency_fits}
+    assert set(fits) == {"off", "chain2"}
+    for config, (c1, c2) in truth.items():
+        fit = fits[config].fit
+        assert fit.samples == 30 and (fit.batch_lo, fit.batch_hi) == (1.0, 16.0)
+        assert fit.c1_per_token_s == pytest.approx(c1, rel=0.1)
+        assert fit.c2_per_token_s == pytest.approx(c2, rel=0.1)
+        assert fit.relative_error < 0.05
+    # Break-even (Kong et al. eq.): per token, (1 - 0.625) / (0.004 - 0.625 * 0.002) = 136 tokens/s
+    # of requests; scaled by the replica's output length.
+    expected = (1 - 0.025 / 0.040) / (0.004 - 0.025 / 0.040 * 0.002) / view.output_tokens
+    assert fits["chain2"].break_even_rate == pytest.approx(expected, rel=0.15)
+    assert fits["off"].break_even_rate is None
+    assert view.measured_latency_s is not None and view.measured_latency_s > 0
+    # The fits live in the checkpoint.
+    restored = ControllerCore(ControllerConfig(enabled=True))
+    restored.load_state(pickle.loads(pickle.dumps(core.state())))
+    assert restored.view(now=t).replicas[0].latency_fits == view.latency_fits
+
+
+def test_checkpoint_from_before_latency_fits_still_loads():
+    core = ControllerCore(ControllerConfig(enabled=True))
+    replica = SimulatedReplica("r1", alpha=0.6)
+    core.observe(replica.telemetry(0.0, 1.0, 2, 1), now=1.0)
+    state = core.state()
+    del state["deployments"]["m"].__dict__["requests"]  # as pickled by the previous version
+    del state["replicas"]["r1"].__dict__["latency_sum"]
+    restored = ControllerCore(ControllerConfig(enabled=True))
+    restored.load_state(pickle.loads(pickle.dumps(state)))
+    assert restored.view(now=2.0).replicas[0].latency_fits == []

@@ -139,3 +139,35 @@ def test_buckets_cover_every_batch():
     buckets = batch_buckets(100)
     assert buckets[0] == (1, 1) and buckets[-1][1] == 100
     assert all(b[0] == a[1] + 1 for a, b in zip(buckets, buckets[1:]))
+
+
+def test_request_latency_fit_needs_requests_and_a_spread_of_batches():
+    from adaspec.telemetry import RequestRecord
+    from controller.latency import MIN_FIT_REQUESTS, fit_request_latency
+
+    def record(batch, latency, tokens=100):
+        return RequestRecord(arrival_time=0.0, finish_time=latency, prompt_tokens=10, output_tokens=tokens,
+                             mean_batch=batch, config="chain2")
+
+    few = [record(1, 2.0)] * (MIN_FIT_REQUESTS - 1)
+    assert fit_request_latency("chain2", few) is None
+    # One batch size: C2 cannot be told from C1; all of it goes to C1.
+    fit = fit_request_latency("chain2", [record(4, 2.0)] * MIN_FIT_REQUESTS)
+    assert fit.c2_per_token_s == 0 and fit.c1_per_token_s == pytest.approx(0.02)
+    assert fit.batch_lo == fit.batch_hi == 4
+    # Requests that produced nothing are not fitted (their latency per token is undefined).
+    assert fit_request_latency("chain2", [record(4, 2.0, tokens=0)] * 20) is None
+
+
+def test_request_lifetimes_name_the_config_that_ran_most_steps():
+    from adaspec.telemetry import RequestLifetimes
+
+    lifetimes = RequestLifetimes()
+    lifetimes.step(["a", "b"], 2, "chain2")
+    lifetimes.step(["a", "b", "c"], 3, "chain1")
+    lifetimes.step(["a", "c"], 2, "chain1")
+    rec = lifetimes.finish("a", arrival_time=10.0, prompt_tokens=5, output_tokens=7, finish_time=12.5)
+    assert (rec.config, rec.mean_batch, rec.latency_s, rec.output_tokens) == ("chain1", pytest.approx(7 / 3), 2.5, 7)
+    lifetimes.discard("b")
+    assert lifetimes.finish("b", 0.0, 1, 1) is None
+    assert lifetimes.finish("never-ran", 0.0, 1, 1) is None

@@ -90,6 +90,10 @@ def test_greedy_equals_the_targets_own_decoding_with_joins_and_leaves(target, dr
             assert reasons[i] == "length" and outputs[i] == ref[: max_tokens[i]], i
     steps = engine.drain_steps()
     assert max(s.batch_size for s in steps) == 3  # the batch really was mixed
+    # One RequestRecord per finished request, none for the aborted one.
+    finished = engine.drain_requests()
+    assert sorted(r.output_tokens for r in finished) == sorted(m for i, m in enumerate(max_tokens) if i != 3)
+    assert all(1 <= r.mean_batch <= 3 and r.latency_s > 0 and r.config == shape.split("@")[0] for r in finished)
     if shape != "off":
         accepted = sum(sum(s.accepted_per_pos) for s in steps)
         assert accepted > 0, "no draft token was ever accepted: the test would not exercise verification"
