@@ -12,6 +12,7 @@ import httpx
 import pytest
 import ray
 
+from adaspec.admin_client import format_controller
 from adaspec.policy import SpecConfig
 from controller.actor import NAMESPACE, get_controller
 from tests.conftest import MODEL, URL, replica_status, set_controller
@@ -111,6 +112,13 @@ def test_k_follows_the_load(client):
     assert k_low >= 2, "speculation did not pay for a single stream?"
     assert k_busy < k_low, "k did not fall at a large batch"
     assert k_again > k_busy, "k did not rise again at low load"
+    # Meanwhile the controller fitted request latency per config from finished requests.
+    view = client.get("/admin/controller").json()
+    (replica,) = view["replicas"]
+    fits = [c for c in replica["latency_fits"] if c["fit"]["samples"] >= 8]
+    assert fits, replica["latency_fits"]
+    assert replica["measured_latency_s"] > 0
+    print("\n" + format_controller(view))
 
 
 def test_controller_crash_loses_no_request_and_resumes_from_checkpoint(client, ray_client):

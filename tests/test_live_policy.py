@@ -118,6 +118,14 @@ def test_mixed_table_follows_the_running_batch_size(client):
     # Drafts verified in a step were proposed under the previous step's config.
     for prev, cur in zip(steps, steps[1:]):
         assert _drafted_depth(cur) <= SpecConfig.parse(prev["config"]).depth, (prev, cur)
+    # Each finished request is recorded with the config that ran most of its steps: the
+    # shortest ran at batch 3 (off) throughout, the longest finished alone.
+    since = min(s["time"] for s in steps) - 30
+    records = {r["output_tokens"]: r for r in replica_status(client)[0]["requests"] if r["finish_time"] > since}
+    assert {24, 48, 72} <= set(records), records
+    assert records[24]["config"] == "off"
+    assert records[24]["mean_batch"] > records[72]["mean_batch"]
+    assert all(records[n]["finish_time"] - records[n]["arrival_time"] > 0 for n in (24, 48, 72))
 
 
 def test_invalid_policies_are_rejected_and_the_old_one_stays(client):
