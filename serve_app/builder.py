@@ -1,13 +1,15 @@
 """Build the Ray Serve application from an `AppConfig` (`import_path: serve_app:build_app`).
 
 The graph: AdaspecIngress (OpenAI API + admin) -> SpecReplica x num_replicas, each hosting
-a vLLM engine whose scheduler is adaspec's. Built on ray.serve.llm: its LLMConfig carries
-the engine arguments and placement-group bundles (one bundle per tensor-parallel GPU), its
-`build_llm_deployment` makes the replica deployment.
+a vLLM engine whose scheduler is adaspec's (`engine: vllm`) or adaspec's native tree engine
+(`engine: native`). Built on ray.serve.llm: its LLMConfig carries the engine arguments and
+placement-group bundles (one bundle per tensor-parallel GPU), its `build_llm_deployment`
+makes the replica deployment.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -21,6 +23,7 @@ from adaspec.models import resolve_model
 from adaspec.serve_config import check_models
 from serve_app.config import AppConfig
 from serve_app.ingress import ENDPOINTS, AdaspecIngress
+from serve_app.native_adapter import AdaspecNativeEngine, NativeSettings
 from serve_app.replica import ReplicaSettings, SpecReplica
 from serve_app.vllm_engine import SCHEDULER_CLS
 
@@ -43,9 +46,34 @@ def speculative_config(cfg: AppConfig) -> dict[str, Any]:
     return out
 
 
+def native_settings(cfg: AppConfig) -> NativeSettings:
+    """What each native replica builds its NativeEngine from."""
+    spec = cfg.speculation
+    on_cpu = cfg.accelerator == "cpu"
+    return NativeSettings(
+        model_path=resolve_model(cfg.model),
+        draft_model_path=resolve_model(spec.draft_model) if spec.draft_model else None,
+        draft_method=spec.method, max_k=spec.max_k,
+        prompt_lookup_min=spec.prompt_lookup_min, prompt_lookup_max=spec.prompt_lookup_max,
+        policy=spec.policy,
+        dtype=cfg.dtype if cfg.dtype != "auto" else "float32" if on_cpu else "bfloat16",
+        device="cpu" if on_cpu else "cuda",
+        max_batch_size=cfg.max_num_seqs, max_model_len=cfg.max_model_len, tree_budget=cfg.tree_budget,
+        torch_threads=cfg.cpu_threads or os.cpu_count() or 1,
+    )
+
+
 def llm_config(cfg: AppConfig) -> LLMConfig:
     """The ray.serve.llm LLMConfig for one replica deployment of `cfg`."""
     on_cpu = cfg.accelerator == "cpu"
+    if cfg.engine == "native":
+        # The native engine takes its settings from NativeSettings; ray.serve.llm still
+        # builds (and never starts) a vLLM engine config from this, so keep it minimal.
+        engine_kwargs = {"max_model_len": cfg.max_model_len}
+        return LLMConfig(
+            model_loading_config={"model_id": cfg.model_id, "model_source": resolve_model(cfg.model)},
+            engine_kwargs=engine_kwargs, log_engine_metrics=False, **_placement(cfg),
+        )
     engine_kwargs = {
         **cfg.engine_kwargs,
         "max_model_len": cfg.max_model_len,
@@ -61,31 +89,43 @@ def llm_config(cfg: AppConfig) -> LLMConfig:
         # An explicit size: vLLM's CPU default (a share of the NUMA node's RAM, minus what
         # the process already holds) fails on small machines.
         engine_kwargs["kv_cache_memory_bytes"] = int(kv_gib * 2**30)
-    if on_cpu:
+    return LLMConfig(
+        model_loading_config={"model_id": cfg.model_id, "model_source": resolve_model(cfg.model)},
+        engine_kwargs=engine_kwargs,
+        log_engine_metrics=True,
+        **_placement(cfg),
+    )
+
+
+def _placement(cfg: AppConfig) -> dict[str, Any]:
+    """Resources, replicas and environment of the replica deployment (LLMConfig fields)."""
+    if cfg.accelerator == "cpu":
         threads = cfg.cpu_threads or os.cpu_count() or 1
-        extra = {
+        return {
             "accelerator_config": {"kind": "cpu"},
-            # One CPU slot for the engine; the replica actor itself takes none, so the
+            # One CPU slot for the engine (vLLM's engine process, or the native engine's
+            # thread in the replica actor); the replica actor itself takes none, so the
             # app (ingress 0, replica 1, controller 0) starts on a 2-core machine.
             "placement_group_config": {"bundles": [{"CPU": 1}]},
             "deployment_config": {"num_replicas": cfg.num_replicas, "ray_actor_options": {"num_cpus": 0}},
             # Ray sets OMP_NUM_THREADS to the actor's CPUs; the engine wants the cores.
             "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads)}},
         }
-    else:
-        extra = {
-            "placement_group_config": {
-                "bundles": [{"GPU": 1, "CPU": 1}] * cfg.tensor_parallel_size,
-                "strategy": "STRICT_PACK",  # tensor parallelism stays within one node
-            },
-            "deployment_config": {"num_replicas": cfg.num_replicas},
+    if cfg.engine == "native":
+        # The native engine runs in the replica actor itself, so the actor holds the GPU
+        # (merged into the first bundle by ray.serve.llm). Not yet run on a GPU.
+        return {
+            "placement_group_config": {"bundles": [{"CPU": 1}]},
+            "deployment_config": {"num_replicas": cfg.num_replicas,
+                                  "ray_actor_options": {"num_cpus": 0, "num_gpus": 1}},
         }
-    return LLMConfig(
-        model_loading_config={"model_id": cfg.model_id, "model_source": resolve_model(cfg.model)},
-        engine_kwargs=engine_kwargs,
-        log_engine_metrics=True,
-        **extra,
-    )
+    return {
+        "placement_group_config": {
+            "bundles": [{"GPU": 1, "CPU": 1}] * cfg.tensor_parallel_size,
+            "strategy": "STRICT_PACK",  # tensor parallelism stays within one node
+        },
+        "deployment_config": {"num_replicas": cfg.num_replicas},
+    }
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
@@ -94,10 +134,10 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     cfg.check_engine_kwargs()
     check_models(cfg)
     config = llm_config(cfg)
-    settings = ReplicaSettings(draft_method=cfg.speculation.method, controller=cfg.controller)
-    replicas = build_llm_deployment(
-        config, bind_kwargs={"settings": settings}, deployment_cls=SpecReplica
-    )
+    bind_kwargs: dict[str, Any] = {"settings": ReplicaSettings(controller=cfg.controller)}
+    if cfg.engine == "native":
+        bind_kwargs["engine_cls"] = functools.partial(AdaspecNativeEngine, settings=native_settings(cfg))
+    replicas = build_llm_deployment(config, bind_kwargs=bind_kwargs, deployment_cls=SpecReplica)
     ingress_cls = make_fastapi_ingress(AdaspecIngress, endpoint_map=ENDPOINTS)
     ingress_options = {**AdaspecIngress.get_deployment_options([config]), "ray_actor_options": {"num_cpus": 0}}
     return serve.deployment(ingress_cls, **ingress_options).bind(

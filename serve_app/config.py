@@ -80,7 +80,9 @@ class AppConfig(_Strict):
     served_model_name: str | None = Field(
         default=None, description="the `model` clients send; defaults to `model`"
     )
-    engine: Literal["vllm"] = Field(default="vllm", description="engine in each replica")
+    engine: Literal["vllm", "native"] = Field(
+        default="vllm", description="engine in each replica: vLLM (chains), or adaspec's native tree engine"
+    )
     accelerator: Literal["cpu", "gpu"] = Field(default="cpu")
     tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs per replica (gpu only)")
     num_replicas: int = Field(default=1, ge=1)
@@ -96,6 +98,10 @@ class AppConfig(_Strict):
     cpu_threads: int | None = Field(
         default=None, ge=1, description="torch threads of a CPU engine; default all cores"
     )
+    tree_budget: int | None = Field(
+        default=None, ge=1,
+        description="native only: draft nodes per sequence kept best-first from every tree config",
+    )
     speculation: SpeculationConfig = Field(default_factory=SpeculationConfig)
     controller: ControllerConfig = Field(default_factory=ControllerConfig)
     admin: AdminConfig = Field(default_factory=AdminConfig)
@@ -105,9 +111,25 @@ class AppConfig(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> AppConfig:
+        if self.engine == "native":
+            self._check_native()
+        elif self.tree_budget is not None:
+            raise ValueError("tree_budget: token trees need engine: native")
         if self.accelerator == "cpu" and self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 needs accelerator: gpu")
         return self
+
+    def _check_native(self) -> None:
+        """Reject the fields the native engine has no equivalent for, naming the field."""
+        if self.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size: engine native runs one device per replica; use 1")
+        if self.dtype == "float16":
+            raise ValueError("dtype: engine native supports float32 and bfloat16")
+        if self.kv_cache_gib is not None:
+            raise ValueError("kv_cache_gib: engine native sizes its KV cache from max_num_seqs x max_model_len")
+        if self.engine_kwargs:
+            raise ValueError(f"engine_kwargs: vLLM engine arguments; engine native takes none "
+                             f"(got {sorted(self.engine_kwargs)})")
 
     @property
     def model_id(self) -> str:
@@ -115,6 +137,8 @@ class AppConfig(_Strict):
 
     def check_engine_kwargs(self) -> None:
         """Reject engine_kwargs that are not vLLM engine arguments or that adaspec owns."""
+        if self.engine == "native":
+            return  # the model validator already required them empty
         from vllm.engine.arg_utils import AsyncEngineArgs
 
         known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}

@@ -1,4 +1,11 @@
-"""The replica deployment: Ray Serve LLM's LLMServer hosting a speculative vLLM engine.
+"""The replica deployment: Ray Serve LLM's LLMServer hosting a speculative engine.
+
+One replica class for both engines; the engine is LLMServer's `engine_cls`:
+- `AdaspecVLLMEngine` (serve_app.vllm_engine, the default): vLLM, chains only;
+- `AdaspecNativeEngine` (serve_app.native_adapter): adaspec's native tree engine.
+Both answer the OpenAI calls LLMServer forwards and the `SpeculativeEngine` calls below,
+so everything here (the telemetry window, arrivals and finishes, the controller loop, the
+metrics) is shared.
 
 On top of LLMServer it adds the two control-plane methods the architecture names:
 - `apply_policy(SpecPolicy) -> PolicyAck`: in force from the engine's next step;
@@ -13,7 +20,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from typing import Any, AsyncGenerator
+from typing import Any, AsyncGenerator, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -24,9 +31,29 @@ from ray import serve
 from ray.llm._internal.serve.core.server.llm_server import LLMServer
 from ray.util import metrics
 from serve_app.vllm_engine import AdaspecVLLMEngine
-from serve_app.vllm_scheduler import EngineCoreReport
 
 logger = logging.getLogger("ray.serve")
+
+
+class EngineReport(Protocol):
+    """One drain of an engine: what happened since the previous drain, and its load now."""
+
+    steps: list[StepRecord]
+    requests: list[RequestRecord]  # finished since the previous drain
+    dropped_steps: int  # step records lost because the engine's buffer was full
+    waiting: int  # requests queued
+    running: int  # requests in the running batch
+    policy: SpecPolicy  # in force
+
+
+class SpeculativeEngine(Protocol):
+    """The control-plane calls a replica makes on its engine (besides LLMEngine's)."""
+
+    async def apply_policy(self, policy: SpecPolicy) -> PolicyAck: ...
+
+    async def drain_report(self) -> EngineReport: ...
+
+    def capabilities(self, report: EngineReport) -> EngineCapabilities: ...
 
 
 class ReplicaSettings(BaseModel):
@@ -34,7 +61,6 @@ class ReplicaSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    draft_method: str
     controller: ControllerConfig = Field(default_factory=ControllerConfig)
     window_s: float = Field(default=120.0, description="telemetry kept in the replica (seconds)")
     poll_interval_s: float = Field(default=0.25, description="engine drain period (seconds)")
@@ -60,7 +86,7 @@ class _ReplicaMetrics:
                   self.step_time, self.policy_version):
             m.set_default_tags(tags)
 
-    def observe(self, report: EngineCoreReport, batch_now: int) -> None:
+    def observe(self, report: EngineReport, batch_now: int) -> None:
         for step in report.steps:
             self.step_time.observe(step.duration_s)
         acc = summarize_acceptance(report.steps)
@@ -82,7 +108,7 @@ class SpecReplica(LLMServer):
         self._requests: deque[RequestRecord] = deque()  # finished, as the engine saw them
         self._arrivals: deque[float] = deque()  # unix seconds
         self._finishes: deque[float] = deque()
-        self._report: EngineCoreReport | None = None
+        self._report: EngineReport | None = None
         await super().__init__(llm_config, **kwargs)
         try:
             self._replica_id = serve.get_replica_context().replica_id.unique_id
@@ -115,10 +141,7 @@ class SpecReplica(LLMServer):
     @property
     def capabilities(self) -> EngineCapabilities:
         assert self._report is not None
-        return EngineCapabilities(
-            engine="vllm", max_batch_size=self._report.max_batch_size, max_k=self._report.max_k,
-            supports_trees=False, draft_method=self._settings.draft_method,
-        )
+        return self.engine.capabilities(self._report)
 
     async def apply_policy(self, policy: SpecPolicy) -> PolicyAck:
         """Install `policy` in the engine; it governs every step after this returns."""

@@ -8,6 +8,7 @@ the scheduler module explains.
 from __future__ import annotations
 
 from adaspec.policy import PolicyAck, SpecPolicy
+from adaspec.telemetry import EngineCapabilities
 from ray.llm._internal.serve.engines.vllm.vllm_engine import VLLMEngine
 from serve_app.vllm_scheduler import EngineCoreReport
 
@@ -30,3 +31,9 @@ class AdaspecVLLMEngine(VLLMEngine):
     async def drain_report(self) -> EngineCoreReport:
         """Steps recorded since the previous drain, and the scheduler's load now."""
         return EngineCoreReport.model_validate_json(await self._call_scheduler("drain"))
+
+    def capabilities(self, report: EngineCoreReport) -> EngineCapabilities:
+        """vLLM speculates in chains only, up to the k it was started with."""
+        method = self.llm_config.engine_kwargs["speculative_config"]["method"]
+        return EngineCapabilities(engine="vllm", max_batch_size=report.max_batch_size, max_k=report.max_k,
+                                  supports_trees=False, draft_method=method)
