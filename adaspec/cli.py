@@ -12,6 +12,12 @@
                               reports the step-time model's held-out error
   policy set --url URL --table "1-2:chain4,3-8:chain2,9+:off"   push a policy to every replica
   policy show --url URL       the policy in force on every replica
+  bench --url URL --dataset sharegpt|humaneval --rate R --num-prompts N   load-test any
+                              OpenAI-compatible endpoint: TTFT, TPOT, ITL, E2E, throughput,
+                              goodput, and the replicas' acceptance and k (bench/harness.py)
+  sweep --config CONFIG --policies off,chain2,adaptive --rates 0.5,1,inf --dataset sharegpt
+        --num-prompts N --out DIR   every policy at every rate on one deployment; results.json,
+                              report.md, plots (bench/sweep.py)
 
 Every command that prints a table also prints JSON with --json.
 """
@@ -159,12 +165,143 @@ def _cmd_policy_show(args: argparse.Namespace) -> int:
     return 0
 
 
+class UsageError(ValueError):
+    """A flag with a bad value; the message names the flag."""
+
+
+def _rate_list(text: str, flag: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise UsageError(f"{flag}: expected comma-separated rates (req/s, or inf), got {text!r}") from None
+    if not values or min(values) <= 0 or any(v != v for v in values):
+        raise UsageError(f"{flag}: rates must be positive (or inf), got {text!r}")
+    return values
+
+
+def _positive(value: float, flag: str) -> None:
+    if not value > 0:
+        raise UsageError(f"{flag}: must be positive, got {value:g}")
+
+
+def _name_list(text: str, flag: str, choices: tuple[str, ...] | None = None) -> list[str]:
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    if not names:
+        raise UsageError(f"{flag}: expected a comma-separated list, got {text!r}")
+    for n in names:
+        if choices is not None and n not in choices:
+            raise UsageError(f"{flag}: unknown {n!r}; choose from {', '.join(choices)}")
+    return names
+
+
+def _policy_list(text: str) -> list[str]:
+    """Split --policies at commas outside quotes (a table:"1-2:chain4,3+:off" has commas)."""
+    names, depth, cur = [], False, ""
+    for ch in text:
+        if ch == '"':
+            depth = not depth
+        if ch == "," and not depth:
+            names.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    names.append(cur.strip())
+    names = [n for n in names if n]
+    if not names:
+        raise UsageError(f"--policies: expected a comma-separated list, got {text!r}")
+    return names
+
+
+def _check_dataset(dataset: str, num_prompts: int, seed: int) -> None:
+    """Load the prompts once before anything starts; a shortfall names the flag."""
+    from bench.datasets import DatasetError, load_prompts
+
+    try:
+        load_prompts(dataset, num_prompts, seed, split="test")
+    except DatasetError as e:
+        raise UsageError(f"{'--num-prompts' if 'requested' in str(e) else '--dataset'}: {e}") from None
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from bench.harness import BenchError, BenchSettings, format_summary, run_bench, save
+
+    _positive(args.rate, "--rate")
+    _positive(args.num_prompts, "--num-prompts")
+    _positive(args.burstiness, "--burstiness")
+    _positive(args.max_tokens, "--max-tokens")
+    _check_dataset(args.dataset, args.num_prompts, args.seed)
+    settings = BenchSettings(url=args.url, dataset=args.dataset, rate=args.rate, num_prompts=args.num_prompts,
+                             burstiness=args.burstiness, max_tokens=args.max_tokens, seed=args.seed,
+                             slo_ttft_s=args.slo_ttft_ms / 1000, slo_tpot_s=args.slo_tpot_ms / 1000)
+    try:
+        result = run_bench(settings, progress=not args.json, token=args.token)
+    except BenchError as e:
+        raise UsageError(str(e)) from None
+    path = save(result, Path(args.out)) if args.out else None
+    if args.json:
+        print(result.model_dump_json(indent=2))
+    else:
+        print(format_summary(result))
+        if path:
+            print(f"result: {path}")
+    return 0 if result.metrics.errors == 0 else 1
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from bench.datasets import DATASETS
+    from bench.policies import resolve
+    from bench.report import write_report
+    from bench.sweep import Sweep, SweepSettings
+
+    if not Path(args.config).is_file():
+        raise UsageError(f"--config: no such file {args.config!r}")
+    rates = _rate_list(args.rates, "--rates")
+    datasets = _name_list(args.dataset, "--dataset", DATASETS)
+    _positive(args.num_prompts, "--num-prompts")
+    _positive(args.max_tokens, "--max-tokens")
+    try:
+        policies = resolve(_policy_list(args.policies), Path(args.profile) if args.profile else None)
+    except PolicyError as e:
+        raise UsageError(f"--policies: {e}") from None
+    for d in datasets:
+        _check_dataset(d, args.num_prompts, args.seed)
+    if args.phase_trace:
+        from bench.phase import parse_trace
+
+        try:
+            parse_trace(args.phase_trace)
+        except ValueError as e:
+            raise UsageError(f"--phase-trace: {e}") from None
+    settings = SweepSettings(config=args.config, policies=[p.name for p in policies], rates=rates,
+                             datasets=datasets, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
+                             seed=args.seed, burstiness=args.burstiness, slo_ttft_s=args.slo_ttft_ms / 1000,
+                             slo_tpot_s=args.slo_tpot_ms / 1000, profile=args.profile,
+                             phase_trace=args.phase_trace,
+                             cross_check_rate=None if args.cross_check_rate is None
+                             else _rate_list(args.cross_check_rate, "--cross-check-rate")[0],
+                             out=args.out)
+    if args.report_only:
+        print(write_report(Path(args.out)))
+        return 0
+    Sweep(settings, policies, ["adaspec"] + sys.argv[1:]).run()
+    print(write_report(Path(args.out)))
+    return 0
+
+
 def _add_url(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default=os.environ.get("ADASPEC_URL", "http://127.0.0.1:8000"),
                    help="adaspec HTTP endpoint (default $ADASPEC_URL or http://127.0.0.1:8000)")
     p.add_argument("--token", default=os.environ.get("ADASPEC_ADMIN_TOKEN"),
                    help="admin bearer token (default $ADASPEC_ADMIN_TOKEN)")
     p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _add_workload(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of inter-arrival times (1: Poisson)")
+    p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request (ignore_eos)")
+    p.add_argument("--seed", type=int, default=0, help="prompt order and arrival times")
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput's TTFT SLO")
+    p.add_argument("--slo-tpot-ms", type=float, default=250.0, help="goodput's TPOT SLO")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -228,6 +365,33 @@ def build_parser() -> argparse.ArgumentParser:
     p = policy.add_parser("show", help="the policy in force on every replica")
     _add_url(p)
     p.set_defaults(func=_cmd_policy_show)
+
+    p = sub.add_parser("bench", help="load-test an OpenAI-compatible endpoint")
+    _add_url(p)
+    p.add_argument("--dataset", required=True, choices=["sharegpt", "humaneval"])
+    p.add_argument("--rate", type=float, required=True, help="requests per second (inf: all at once)")
+    p.add_argument("--num-prompts", type=int, required=True)
+    _add_workload(p)
+    p.add_argument("--out", help="folder for the result JSON")
+    p.set_defaults(func=_cmd_bench)
+
+    p = sub.add_parser("sweep", help="every policy at every rate on one deployment")
+    p.add_argument("--config", default="configs/app.yaml", help="Ray Serve config to start (a copy is used)")
+    p.add_argument("--policies", default="off,chain1,chain2,chain4,table:profiled,adaptive",
+                   help='off, chainK, table:profiled, table:"1-2:chain4,3+:off", adaptive')
+    p.add_argument("--rates", default="0.5,1,2,inf", help="requests per second, comma-separated")
+    p.add_argument("--dataset", default="sharegpt", help="sharegpt, humaneval or both (comma-separated)")
+    p.add_argument("--num-prompts", type=int, default=16, help="prompts per run")
+    _add_workload(p)
+    p.add_argument("--profile", default="bench/results/profile-cpu/steps.jsonl",
+                   help="`adaspec profile` steps for table:profiled (and the controller's start model)")
+    p.add_argument("--phase-trace", default=None,
+                   help="also run this DATASET:RATE:SECONDS,... trace under every policy")
+    p.add_argument("--cross-check-rate", default=None,
+                   help="also compare with vLLM's `bench serve` at this rate (ShareGPT, policy off)")
+    p.add_argument("--report-only", action="store_true", help="rewrite report.md and plots from results.json")
+    p.add_argument("--out", required=True, help="folder for results.json, report.md and the plots")
+    p.set_defaults(func=_cmd_sweep)
     return parser
 
 
@@ -237,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ModelError, PolicyError, ConfigError, admin_client.AdminError, FileNotFoundError) as e:
+    except (ModelError, PolicyError, ConfigError, admin_client.AdminError, FileNotFoundError, UsageError) as e:
         print(f"adaspec: error: {e}", file=sys.stderr)
         return 2
 

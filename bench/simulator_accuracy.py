@@ -22,7 +22,8 @@ from pathlib import Path
 from adaspec import admin_client
 from adaspec.telemetry import EngineCapabilities
 from controller.core import load_profile_any
-from bench.load import run_load
+from bench.client import arrival_times, run_load
+from bench.datasets import Prompt
 from controller.simulate import SimulatedEngine, measured_acceptance, measured_proposal_rate, simulate
 from controller.step_time import StepTimeModel
 
@@ -40,9 +41,11 @@ def measure(args) -> tuple[str, EngineCapabilities, dict[float, float], list]:
     try:
         for rate in [float(r) for r in args.rates.split(",")]:
             start = time.time()
-            results = asyncio.run(run_load(args.url, model_id, [PROMPT], rate, args.requests, args.max_tokens, seed=1))
+            prompts = [Prompt("cat", "custom", PROMPT, False, "")] * args.requests
+            results = asyncio.run(run_load(args.url, model_id, prompts, arrival_times(rate, args.requests, seed=1),
+                                           args.max_tokens, progress=False))
             assert all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
-            measured[rate] = statistics.fmean(r.latency_s for r in results)
+            measured[rate] = statistics.fmean(r.e2e_s for r in results)
             steps += [s for r in admin_client.status(args.url) for s in r.steps if s.time > start]
             print(f"rate {rate}: measured mean latency {measured[rate]:.3f} s over {len(results)} requests", flush=True)
     finally:

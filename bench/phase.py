@@ -1,0 +1,116 @@
+"""The phase-change run: one trace whose workload and rate change, under every policy.
+
+A trace is `DATASET:RATE:SECONDS,...`, e.g. `sharegpt:0.5:45,humaneval:0.5:45,humaneval:1.5:45,
+sharegpt:0.5:45`: each segment sends that dataset's test prompts (cycled when the segment
+needs more than the split has) at Poisson arrivals of that rate for that long. Every policy
+runs the same trace (same prompts, same arrival times). For the adaptive run, the
+controller's *settle time* after each change is the time from the segment's start to the
+last policy change inside the segment (0 when it changed nothing; a value close to the
+segment's length means it never settled). Each segment is also scored per policy (mean TPOT
+of the requests sent in it), so the cost of adapting shows next to the static policies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+from dataclasses import asdict, dataclass
+
+from bench.client import RequestResult, arrivals_until
+from bench.datasets import Prompt, load_prompts
+from bench.harness import BenchSettings, bench_prompts
+from bench.metrics import tpot_s
+from bench.policies import interleaved
+from bench.replica_probe import PolicyChange
+
+
+@dataclass(frozen=True)
+class Segment:
+    dataset: str
+    rate: float  # requests per second
+    duration_s: float
+
+
+def parse_trace(text: str) -> list[Segment]:
+    segments = []
+    for part in text.split(","):
+        try:
+            dataset, rate, seconds = part.strip().split(":")
+            segments.append(Segment(dataset, float(rate), float(seconds)))
+        except ValueError:
+            raise ValueError(f"bad trace segment {part.strip()!r}: expected DATASET:RATE:SECONDS") from None
+        if not (0 < segments[-1].rate < float("inf")) or segments[-1].duration_s <= 0:
+            raise ValueError(f"bad trace segment {part.strip()!r}: rate and seconds must be positive and finite")
+    return segments
+
+
+def trace_workload(segments: list[Segment], seed: int, burstiness: float = 1.0
+                   ) -> tuple[list[Prompt], list[float], list[float]]:
+    """Prompts, their send offsets (seconds) and the segments' start offsets."""
+    pools = {d: load_prompts(d, None, seed, split="test") for d in {s.dataset for s in segments}}
+    cursor = dict.fromkeys(pools, 0)
+    prompts, offsets, starts, t0 = [], [], [], 0.0
+    for i, seg in enumerate(segments):
+        starts.append(t0)
+        for off in arrivals_until(seg.rate, seg.duration_s, seed + i, burstiness):
+            pool = pools[seg.dataset]
+            prompts.append(pool[cursor[seg.dataset] % len(pool)])
+            cursor[seg.dataset] += 1
+            offsets.append(t0 + off)
+        t0 += seg.duration_s
+    return prompts, offsets, starts
+
+
+def settle_times(changes: list[PolicyChange], starts: list[float], end: float) -> list[dict]:
+    """Per segment: policy changes inside it and the seconds until the last one."""
+    out = []
+    for i, start in enumerate(starts):
+        stop = starts[i + 1] if i + 1 < len(starts) else end
+        inside = [c for c in changes if start <= c.t < stop]
+        out.append({"segment": i, "changes": len(inside),
+                    "settle_s": (max(c.t for c in inside) - start) if inside else 0.0,
+                    "segment_s": stop - start, "configs": [c.config for c in inside]})
+    return out
+
+
+def segment_tpot(requests: list[RequestResult], starts: list[float], end: float) -> list[float | None]:
+    """Mean TPOT (seconds) of the requests sent in each segment."""
+    out = []
+    for i, start in enumerate(starts):
+        stop = starts[i + 1] if i + 1 < len(starts) else end
+        values = [t for r in requests if r.ok and start <= r.sent_at < stop and (t := tpot_s(r)) is not None]
+        out.append(statistics.fmean(values) if values else None)
+    return out
+
+
+def run_phase_change(sweep, trace: str) -> dict:
+    """Run the trace under every policy of `sweep` (a bench.sweep.Sweep) on its deployment."""
+    from bench.sweep import apply_policy
+
+    segments = parse_trace(trace)
+    prompts, offsets, starts = trace_workload(segments, sweep.s.seed, sweep.s.burstiness)
+    end = sum(s.duration_s for s in segments)
+    runs = {}
+    for policy in interleaved(sweep.policies, 1):
+        settings = BenchSettings(url=sweep.url, dataset="+".join(sorted({s.dataset for s in segments})),
+                                 rate=len(prompts) / end, num_prompts=len(prompts), max_tokens=sweep.s.max_tokens,
+                                 seed=sweep.s.seed, slo_ttft_s=sweep.s.slo_ttft_s, slo_tpot_s=sweep.s.slo_tpot_s,
+                                 label=f"phase-{policy.name}")
+        apply_policy(sweep.url, policy, sweep.start_table)
+        result = asyncio.run(bench_prompts(settings, prompts, offsets, sweep.model, progress=False))
+        requests = [RequestResult(**r) for r in result.requests]
+        run = {"policy": policy.name, "metrics": result.metrics.model_dump(mode="json"),
+               "segment_tpot_s": segment_tpot(requests, starts, end),
+               "telemetry": {"mean_k": result.telemetry.mean_k,
+                             "mean_accepted_length": result.telemetry.mean_accepted_length,
+                             "acceptance_rate": result.telemetry.acceptance_rate,
+                             "policies_seen": result.telemetry.policies_seen}}
+        if policy.adaptive:
+            run["settle"] = settle_times(result.telemetry.policy_changes, starts, end)
+            run["timeline"] = [p.model_dump(mode="json") for p in result.telemetry.timeline]
+            run["policy_changes"] = [c.model_dump(mode="json") for c in result.telemetry.policy_changes]
+        runs[policy.name] = run
+        sweep.log(f"phase-change {policy.name}: mean TPOT per segment "
+                  + ", ".join("-" if t is None else f"{1000 * t:.0f} ms" for t in run["segment_tpot_s"]))
+    return {"trace": trace, "segments": [asdict(s) for s in segments], "segment_starts_s": starts,
+            "requests": len(prompts), "runs": runs}

@@ -1,0 +1,250 @@
+"""`adaspec sweep`: every policy at every rate against one running deployment.
+
+    adaspec sweep --config configs/app.yaml --policies off,chain1,chain2,chain4,table:profiled,adaptive \\
+        --rates 0.5,1,2,inf --dataset sharegpt,humaneval --num-prompts 16 --max-tokens 64 --out DIR
+
+1. The deployment starts once (`serve run` on a copy of CONFIG, saved as DIR/app-config.yaml:
+   speculation.max_k raised to the deepest chain asked for, the controller enabled and, with
+   --profile, seeded with the same profile table:profiled is built from; a fresh controller
+   checkpoint folder, so no earlier run's models leak in).
+2. For each rate, each dataset, each policy in an interleaved order (bench/policies.py):
+   static policies are pushed through POST /admin/policy with the controller paused;
+   `adaptive` resets the replicas to the config's start policy and resumes the controller.
+   Every policy sees the same prompts and the same arrival times.
+3. Optionally the phase-change trace (bench/phase.py) and the cross-check against vLLM's
+   own benchmark client (bench/cross_check.py), on the same engine.
+4. DIR/results.json after every run (a partial sweep is still readable), then
+   bench/report.py writes report.md and the plots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, Field
+
+from adaspec import admin_client
+from adaspec.serve_process import ServeProcess
+from bench.client import arrival_times
+from bench.datasets import load_prompts
+from bench.harness import BenchResult, BenchSettings, bench_prompts, format_summary
+from bench.policies import NamedPolicy, interleaved
+
+
+class SweepSettings(BaseModel):
+    config: str
+    policies: list[str]
+    rates: list[float]
+    datasets: list[str]
+    num_prompts: int
+    max_tokens: int = 64
+    seed: int = 0
+    burstiness: float = 1.0
+    slo_ttft_s: float = 2.0
+    slo_tpot_s: float = 0.25
+    profile: str | None = None
+    phase_trace: str | None = Field(default=None, description="DATASET:RATE:SECONDS,... (bench/phase.py)")
+    cross_check_rate: float | None = Field(default=None, description="rate of the vLLM-client cross-check")
+    out: str
+
+
+class SweepRun(BaseModel):
+    dataset: str
+    rate: float
+    policy: str
+    table: str | None
+    order: int = Field(description="position in the sweep (0 = first run)")
+    result: BenchResult
+
+
+def machine() -> dict:
+    """What ran it: CPU, cores, memory, load, and who else used the CPU at the start."""
+    import psutil
+
+    cpu = platform.processor()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    busy = []
+    for p in psutil.process_iter(["pid", "name", "cpu_percent", "nice", "cmdline"]):
+        busy.append(p)
+    time.sleep(1.0)
+    top = []
+    for p in busy:
+        try:
+            pct = p.cpu_percent(None)
+            if pct >= 20:
+                top.append(f"{pct:.0f}% nice {p.info['nice']} {' '.join(p.info['cmdline'] or [p.info['name']])[:120]}")
+        except Exception:  # noqa: BLE001 - processes come and go
+            continue
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+            "platform": platform.platform(), "python": platform.python_version(),
+            "loadavg_1_5_15": os.getloadavg(), "busy_processes": top,
+            "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
+
+
+def prepare_config(config: Path, out: Path, max_k: int, profile: str | None) -> tuple[Path, str, str, list[str]]:
+    """Write the sweep's copy of the Serve config; return it, the URL, the start policy and
+    notes on what changed."""
+    doc = yaml.safe_load(config.read_text())
+    app = doc["applications"][0]
+    args = app.setdefault("args", {})
+    spec = args.setdefault("speculation", {})
+    ctrl = args.setdefault("controller", {})
+    notes = []
+    if max_k > spec.get("max_k", 4):
+        notes.append(f"speculation.max_k raised from {spec.get('max_k', 4)} to {max_k} for the deepest chain asked for")
+        spec["max_k"] = max_k
+    if not ctrl.get("enabled"):
+        notes.append("controller.enabled set to true (paused except for `adaptive`)")
+        ctrl["enabled"] = True
+    if profile and not ctrl.get("profile_path"):
+        notes.append(f"controller.profile_path set to {profile} (the profile table:profiled is built from)")
+        ctrl["profile_path"] = str(Path(profile).resolve())
+    args.setdefault("admin", {})["enabled"] = True
+    http = doc.get("http_options", {})
+    url = f"http://{http.get('host', '127.0.0.1')}:{http.get('port', 8000)}"
+    path = out / "app-config.yaml"
+    path.write_text(f"# written by adaspec sweep from {config}\n" + yaml.safe_dump(doc, sort_keys=False))
+    return path, url, str(spec.get("policy", "chain4")), notes
+
+
+def apply_policy(url: str, policy: NamedPolicy, start_table: str) -> None:
+    """Pause the controller and push a static table, or reset and resume for `adaspec`."""
+    if policy.adaptive:
+        admin_client.controller_action(url, "pause")
+        _push(url, start_table)
+        admin_client.controller_action(url, "resume")
+    else:
+        admin_client.controller_action(url, "pause")
+        _push(url, policy.table)
+
+
+def _push(url: str, table: str) -> None:
+    acks = admin_client.set_policy(url, table)
+    bad = [a for a in acks if a.status != "applied"]
+    if bad or not acks:
+        raise admin_client.AdminError(f"policy {table} not applied: {bad or 'no replicas'}")
+
+
+class Sweep:
+    """One deployment, many runs; results.json is rewritten after every run."""
+
+    def __init__(self, settings: SweepSettings, policies: list[NamedPolicy], command: list[str], log=None):
+        self.s, self.policies = settings, policies
+        self.log = log or (lambda msg: print(msg, flush=True))
+        self.out = Path(settings.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.doc: dict = {"command": " ".join(shlex.quote(a) for a in command), "settings": settings.model_dump(),
+                          "policies": {p.name: p.table for p in policies}, "machine": machine(),
+                          "runs": [], "phase_change": None, "cross_check": None, "notes": []}
+        self.url = ""
+        self.model = ""
+        self.start_table = ""
+
+    def save(self) -> None:
+        tmp = self.out / "results.json.tmp"
+        tmp.write_text(json.dumps(self.doc, indent=1))
+        tmp.replace(self.out / "results.json")
+
+    def bench(self, dataset: str, rate: float, policy: NamedPolicy, prompts=None, offsets=None) -> BenchResult:
+        settings = BenchSettings(url=self.url, dataset=dataset, rate=rate, num_prompts=self.s.num_prompts,
+                                 burstiness=self.s.burstiness, max_tokens=self.s.max_tokens, seed=self.s.seed,
+                                 slo_ttft_s=self.s.slo_ttft_s, slo_tpot_s=self.s.slo_tpot_s, label=policy.name)
+        if prompts is None:
+            prompts = load_prompts(dataset, self.s.num_prompts, self.s.seed, split="test")
+            offsets = arrival_times(rate, len(prompts), self.s.seed, self.s.burstiness)
+        apply_policy(self.url, policy, self.start_table)
+        result = asyncio.run(bench_prompts(settings, prompts, offsets, self.model, progress=sys.stderr.isatty()))
+        result.requests = []  # per-request rows stay out of the committed file
+        if not policy.adaptive:
+            result.telemetry.timeline = []
+        return result
+
+    def warm_up(self) -> None:
+        """A few requests per dataset under the deepest static policy: compile paths, caches."""
+        deepest = max((p for p in self.policies if not p.adaptive), key=lambda p: p.max_depth, default=None)
+        for dataset in self.s.datasets:
+            for policy in [p for p in self.policies if not p.adaptive and p.max_depth == 0][:1] + [deepest]:
+                if policy is None:
+                    continue
+                prompts = load_prompts(dataset, 4, self.s.seed + 1, split="test")
+                apply_policy(self.url, policy, self.start_table)
+                settings = BenchSettings(url=self.url, dataset=dataset, rate=float("inf"), num_prompts=4,
+                                         max_tokens=16, label="warmup")
+                asyncio.run(bench_prompts(settings, prompts, [0.0] * 4, self.model, progress=False))
+
+    def run_grid(self) -> None:
+        order = 0
+        total = len(self.s.rates) * len(self.s.datasets) * len(self.policies)
+        for r_i, rate in enumerate(self.s.rates):
+            for d_i, dataset in enumerate(self.s.datasets):
+                for policy in interleaved(self.policies, r_i * len(self.s.datasets) + d_i):
+                    t0 = time.monotonic()
+                    result = self.bench(dataset, rate, policy)
+                    self.doc["runs"].append(SweepRun(dataset=dataset, rate=rate, policy=policy.name,
+                                                     table=policy.table, order=order,
+                                                     result=result).model_dump(mode="json"))
+                    order += 1
+                    self.save()
+                    m = result.metrics
+                    tpot = "-" if m.tpot_s.mean is None else f"{1000 * m.tpot_s.mean:.0f} ms"
+                    self.log(f"[{order}/{total}] {dataset} rate {rate:g} {policy.name}: mean TPOT {tpot}, "
+                             f"{m.output_throughput:.1f} tok/s, errors {m.errors} ({time.monotonic() - t0:.0f} s)")
+
+    def run(self) -> dict:
+        max_k = max([p.max_depth for p in self.policies] + [1])
+        with tempfile.TemporaryDirectory(prefix="adaspec-sweep-") as tmp:
+            config, self.url, self.start_table, notes = prepare_config(Path(self.s.config), self.out, max_k,
+                                                                       self.s.profile)
+            self.doc["notes"] += notes
+            server = ServeProcess(config.resolve(), self.url, Path(tmp) / "serve.log",
+                                  env={"ADASPEC_CONTROLLER_DIR": str(Path(tmp) / "controller")})
+            from bench.harness import served_model
+
+            server.start()
+            try:
+                ready_s = server.wait_ready(_model_of(config))
+                self.model = served_model(self.url)
+                self.log(f"deployment ready after {ready_s:.0f} s at {self.url} ({self.model}); warming up")
+                self.doc["ready_s"] = ready_s
+                self.warm_up()
+                self.run_grid()
+                if self.s.phase_trace:
+                    from bench.phase import run_phase_change
+
+                    self.doc["phase_change"] = run_phase_change(self, self.s.phase_trace)
+                    self.save()
+                if self.s.cross_check_rate is not None:
+                    from bench.cross_check import cross_check
+
+                    self.doc["cross_check"] = cross_check(self, self.s.cross_check_rate)
+                    self.save()
+            finally:
+                try:
+                    admin_client.controller_action(self.url, "resume")
+                except admin_client.AdminError:
+                    pass
+                survivors = server.stop()
+                self.log(f"deployment stopped; engine processes killed after graceful shutdown: {survivors or 'none'}")
+        end = machine()
+        self.doc["machine"]["loadavg_at_end"] = end["loadavg_1_5_15"]
+        self.doc["machine"]["busy_processes_at_end"] = end["busy_processes"]
+        self.save()
+        return self.doc
+
+
+def _model_of(config: Path) -> str:
+    args = yaml.safe_load(config.read_text())["applications"][0].get("args", {})
+    return args.get("served_model_name") or args.get("model", "smollm2-135m-instruct")
+

@@ -1,0 +1,244 @@
+"""The benchmark harness: metrics, arrivals, datasets, policies, verdicts, plots, CLI errors;
+and one real `adaspec bench` run against the shared server (slow)."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from adaspec.cli import main as cli_main
+from bench.client import RequestResult, arrival_times, arrivals_until
+from bench.datasets import load_prompts, recover_records, split_of
+from bench.metrics import summarize, tpot_s
+from bench.phase import parse_trace, settle_times, trace_workload
+from bench.policies import NamedPolicy, interleaved, profiled_table, resolve
+from bench.replica_probe import PolicyChange, trace_of
+from bench.report import geomean, verdicts, write_report
+from adaspec.telemetry import StepRecord
+
+
+# ---------------------------------------------------------------------------- metrics
+def _req(sent, ttft, e2e, tokens, itl=(), error=""):
+    return RequestResult("p", "sharegpt", sent, e2e, ttft, list(itl), tokens, 10, error)
+
+
+def test_tpot_ttft_itl_and_percentiles_from_synthetic_timings():
+    # 3 requests: TPOT = (e2e - ttft) / (tokens - 1) = 0.1, 0.2, 0.3 s
+    rs = [_req(0.0, 0.5, 0.5 + 0.1 * 9, 10, itl=[0.1] * 9),
+          _req(1.0, 1.0, 1.0 + 0.2 * 9, 10, itl=[0.2] * 9),
+          _req(2.0, 1.5, 1.5 + 0.3 * 9, 10, itl=[0.3] * 9)]
+    assert tpot_s(rs[1]) == pytest.approx(0.2)
+    m = summarize(rs, slo_ttft_s=1.0, slo_tpot_s=0.25)
+    assert m.completed == 3 and m.errors == 0
+    assert m.tpot_s.mean == pytest.approx(0.2)
+    assert m.tpot_s.p50 == pytest.approx(0.2)
+    assert m.tpot_s.p99 == pytest.approx(0.2 + 0.98 * 0.1)  # linear interpolation between 0.2 and 0.3
+    assert m.ttft_s.mean == pytest.approx(1.0)
+    assert m.itl_s.mean == pytest.approx(0.2)
+    # duration: first send (0) -> last completion (2 + 1.5 + 2.7 = 6.2 s)
+    assert m.duration_s == pytest.approx(6.2)
+    assert m.output_throughput == pytest.approx(30 / 6.2)
+    assert m.request_throughput == pytest.approx(3 / 6.2)
+    # goodput: TTFT <= 1 and TPOT <= 0.25 -> the first two
+    assert m.goodput == pytest.approx(2 / 6.2)
+
+
+def test_errors_and_single_token_requests_are_counted_but_not_timed():
+    rs = [_req(0.0, 0.2, 0.2, 1), _req(0.0, None, 0.1, 0, error="APIError: boom")]
+    m = summarize(rs, 1.0, 1.0)
+    assert (m.completed, m.errors) == (1, 1)
+    assert m.tpot_s.mean is None and m.ttft_s.mean == pytest.approx(0.2)
+
+
+# ---------------------------------------------------------------------------- arrivals
+def test_poisson_arrivals_have_the_asked_mean_rate_and_unit_cv():
+    t = arrival_times(4.0, 20000, seed=1)
+    gaps = [b - a for a, b in zip(t, t[1:])]
+    assert statistics.fmean(gaps) == pytest.approx(0.25, rel=0.03)
+    assert statistics.stdev(gaps) / statistics.fmean(gaps) == pytest.approx(1.0, rel=0.05)
+    assert arrival_times(4.0, 50, seed=1) == t[:50]  # same seed, same times
+
+
+def test_burstiness_changes_variance_not_mean():
+    for b in (0.25, 4.0):
+        gaps = [y - x for x, y in zip(*(lambda t: (t, t[1:]))(arrival_times(2.0, 20000, 3, b)))]
+        assert statistics.fmean(gaps) == pytest.approx(0.5, rel=0.05)
+        # gamma(shape b): coefficient of variation 1/sqrt(b)
+        assert statistics.stdev(gaps) / statistics.fmean(gaps) == pytest.approx(1 / math.sqrt(b), rel=0.08)
+
+
+def test_rate_inf_sends_everything_at_once_and_timed_arrivals_stop_at_the_end():
+    assert arrival_times(float("inf"), 5, 0) == [0.0] * 5
+    t = arrivals_until(2.0, 1000.0, seed=2)
+    assert max(t) < 1000.0 and len(t) == pytest.approx(2000, rel=0.08)
+    with pytest.raises(ValueError):
+        arrival_times(0.0, 3, 0)
+
+
+# ---------------------------------------------------------------------------- datasets
+def test_recover_records_from_a_truncated_json_list():
+    text = json.dumps([{"id": "a", "v": [1, 2]}, {"id": "b", "v": "x, y"}, {"id": "c", "v": 3}])
+    cut = text[: text.index('"c"') + 6]  # inside the third record
+    assert [r["id"] for r in recover_records(cut)] == ["a", "b"]
+    assert [r["id"] for r in recover_records(text)] == ["a", "b", "c"]
+    assert recover_records("[") == []
+
+
+def test_load_prompts_is_deterministic_and_split():
+    a = load_prompts("humaneval", 8, seed=3, split="test")
+    assert [p.id for p in a] == [p.id for p in load_prompts("humaneval", 8, seed=3, split="test")]
+    assert [p.id for p in a] != [p.id for p in load_prompts("humaneval", 8, seed=4, split="test")]
+    assert all(split_of(p.id) == "test" for p in a) and not any(p.chat for p in a)
+    train = {p.id for p in load_prompts("humaneval", None, 0, split="train")}
+    assert train.isdisjoint(p.id for p in load_prompts("humaneval", None, 0, split="test"))
+
+
+# ---------------------------------------------------------------------------- policies
+def _step(t, batch, config, version=1, drafts=0, accepted=()):
+    return StepRecord(time=t, duration_s=0.1 if config == "off" else 0.12, batch_size=batch, num_decode_reqs=batch,
+                      scheduled_tokens=batch, prefill_tokens=0, context_tokens=10, config=config,
+                      policy_version=version, num_drafts=drafts, drafted_per_pos=[drafts] * len(accepted),
+                      accepted_per_pos=list(accepted))
+
+
+def test_profiled_table_picks_the_faster_k_per_batch():
+    # chain2 accepts 1.5 tokens per step on top of the bonus: 2.5 / 0.12 s beats 1 / 0.1 s at batch 1;
+    # at batch 8 chain2's steps take 0.5 s (2.5 / 0.5 = 5 < 1 / 0.1 = 10): off wins.
+    steps = [_step(i, 1, "off") for i in range(5)] + [_step(i, 8, "off") for i in range(5)]
+    steps += [_step(i, 1, "chain2", drafts=10, accepted=(8, 7)) for i in range(5)]
+    slow = [_step(i, 8, "chain2", drafts=10, accepted=(8, 7)) for i in range(5)]
+    for s in slow:
+        s.duration_s = 0.5
+    assert profiled_table(steps + slow, grid=(1, 2, 8)) == "1-2:chain2,3+:off"
+
+
+def test_resolve_names_and_interleaving():
+    ps = resolve(["off", "chain2", 'table:"1-2:chain4,3+:off"', "adaptive"], None)
+    assert [p.table for p in ps] == ["1+:off", "1+:chain2", "1-2:chain4,3+:off", None]
+    assert [p.max_depth for p in ps] == [0, 2, 4, 0]
+    with pytest.raises(Exception, match="profile"):
+        resolve(["table:profiled"], None)
+    orders = [[p.name for p in interleaved(ps, r)] for r in range(4)]
+    assert all(sorted(o) == sorted(p.name for p in ps) for o in orders)
+    assert len({o[0] for o in orders}) > 1 and len({o[-1] for o in orders}) > 1  # nobody always first/last
+
+
+def test_trace_of_steps_reports_acceptance_k_and_policy_changes():
+    steps = {"r": [_step(100.5, 1, "chain2", 1, drafts=4, accepted=(2, 1)),
+                   _step(101.5, 2, "off", 2), _step(101.7, 2, "off", 2)]}
+    tr = trace_of(steps, start_unix=100.0, policies=["1+:chain2", "1+:off"])
+    assert tr.steps == 3 and tr.mean_accepted_length == pytest.approx(1 + 3 / 4)
+    assert tr.acceptance_rate == pytest.approx(3 / 8)
+    assert [p.mean_k for p in tr.timeline] == [2.0, 0.0]
+    assert [(round(c.t, 2), c.config) for c in tr.policy_changes] == [(1.4, "off")]
+
+
+def test_phase_trace_and_settle_times():
+    segs = parse_trace("sharegpt:2:20,humaneval:1:30")
+    prompts, offsets, starts = trace_workload(segs, seed=0)
+    assert starts == [0.0, 20.0]
+    assert {p.dataset for p, o in zip(prompts, offsets) if o < 20} == {"sharegpt"}
+    assert {p.dataset for p, o in zip(prompts, offsets) if o >= 20} == {"humaneval"}  # cycled: 20 in the split
+    changes = [PolicyChange(t=t, replica_id="r", version=i, config="chain1") for i, t in enumerate([3.0, 5.0, 26.0])]
+    st = settle_times(changes, starts, 50.0)
+    assert [(s["changes"], s["settle_s"]) for s in st] == [(2, 5.0), (1, 6.0)]
+    with pytest.raises(ValueError, match="DATASET:RATE:SECONDS"):
+        parse_trace("sharegpt:2")
+
+
+# ---------------------------------------------------------------------------- verdicts and report
+def test_verdicts_both_ways():
+    tpot = {("s", 1.0): {"off": 0.10, "chain2": 0.08, "adaptive": 0.081},
+            ("s", 4.0): {"off": 0.10, "chain2": 0.20, "adaptive": 0.102}}
+    v = verdicts(tpot)
+    assert [p["oracle"] for p in v["points"]] == ["chain2", "off"]
+    assert v["points"][0]["vs_oracle"] == pytest.approx(0.08 / 0.081)
+    assert v["goal_oracle_every_point"]
+    assert v["best_static"] == "off"  # geomean 0.1 < sqrt(0.08 * 0.2)
+    assert v["adaptive_vs_static_geomean"]["off"] == pytest.approx(0.1 / geomean([0.081, 0.102]))
+    assert v["goal_beats_every_static"]
+    tpot[("s", 4.0)]["adaptive"] = 0.2  # adaptive stuck on chain2 at high load
+    v = verdicts(tpot)
+    assert not v["goal_oracle_every_point"] and not v["goal_beats_every_static"]
+    assert v["points"][1]["vs_oracle"] == pytest.approx(0.5)
+
+
+def _run(dataset, rate, policy, tpot, order):
+    metrics = {"tpot_s": {"mean": tpot, "p50": tpot, "p99": 1.5 * tpot}, "output_throughput": 1 / tpot,
+               "completed": 4, "errors": 0}
+    telemetry = {"mean_accepted_length": 1.5, "mean_k": 2.0,
+                 "timeline": [{"t": 0.0, "steps": 3, "mean_batch": 1.0, "mean_k": 2.0}]}
+    return {"dataset": dataset, "rate": rate, "policy": policy, "table": None, "order": order,
+            "result": {"metrics": metrics, "telemetry": telemetry}}
+
+
+def test_report_writes_markdown_and_plots_and_states_the_goals(tmp_path):
+    runs = [_run(d, r, p, t, i) for i, (d, r, p, t) in enumerate(
+        [(d, r, p, 0.1 + 0.01 * j + (0.05 if p == "adaptive" and r == float("inf") else 0))
+         for d in ("sharegpt", "humaneval") for r in (1.0, float("inf")) for j, p in enumerate(["off", "chain2", "adaptive"])])]
+    phase = {"trace": "sharegpt:1:10,humaneval:1:10", "requests": 20,
+             "segments": [{"dataset": "sharegpt", "rate": 1.0, "duration_s": 10.0},
+                          {"dataset": "humaneval", "rate": 1.0, "duration_s": 10.0}],
+             "segment_starts_s": [0.0, 10.0],
+             "runs": {"off": {"segment_tpot_s": [0.1, 0.1]},
+                      "adaptive": {"segment_tpot_s": [0.11, None], "timeline": runs[0]["result"]["telemetry"]["timeline"],
+                                   "settle": [{"changes": 1, "settle_s": 2.0, "segment_s": 10.0, "configs": ["off"]},
+                                              {"changes": 0, "settle_s": 0.0, "segment_s": 10.0, "configs": []}]}}}
+    doc = {"command": "adaspec sweep ...", "settings": {"num_prompts": 4, "max_tokens": 8, "burstiness": 1.0, "seed": 0},
+           "policies": {"off": "1+:off", "chain2": "1+:chain2", "adaptive": None},
+           "machine": {"cpu": "x", "cores": 2, "memory_gib": 24, "platform": "linux", "loadavg_1_5_15": [1, 1, 1],
+                       "date_utc": "now"},
+           "runs": runs, "phase_change": phase, "cross_check": None, "notes": ["max_k raised"]}
+    (tmp_path / "results.json").write_text(json.dumps(doc))
+    report = write_report(tmp_path).read_text()
+    for png in ("latency_vs_rate.png", "adaptive_k.png", "phase_change.png"):
+        assert (tmp_path / png).stat().st_size > 1000 and f"({png})" in report
+    assert "| inf | 100 / 150 / 10.0 |" in report
+    assert "**missed** at" in report  # adaptive 0.17 vs oracle off 0.10 at inf
+    assert "| sharegpt 1/s | 1 | 2.0 |" in report
+
+
+# ---------------------------------------------------------------------------- CLI
+@pytest.mark.parametrize("argv, flag", [
+    (["bench", "--dataset", "humaneval", "--rate", "0", "--num-prompts", "2"], "--rate"),
+    (["bench", "--dataset", "humaneval", "--rate", "1", "--num-prompts", "500"], "--num-prompts"),
+    (["bench", "--dataset", "humaneval", "--rate", "1", "--num-prompts", "2", "--url", "http://127.0.0.1:9"], "--url"),
+    (["sweep", "--out", "x", "--rates", "1,fast"], "--rates"),
+    (["sweep", "--out", "x", "--policies", "off,chain2x"], "--policies"),
+    (["sweep", "--out", "x", "--dataset", "sharegpt,imagenet"], "--dataset"),
+    (["sweep", "--out", "x", "--config", "nope.yaml"], "--config"),
+    (["sweep", "--out", "x", "--phase-trace", "sharegpt:1"], "--phase-trace"),
+])
+def test_cli_errors_name_the_flag(argv, flag, capsys):
+    assert cli_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("adaspec: error: ") and flag in err
+
+
+def test_bench_load_is_replaced():
+    with pytest.raises(ModuleNotFoundError):
+        __import__("bench.load")
+
+
+# ---------------------------------------------------------------------------- real stack
+@pytest.mark.slow
+def test_adaspec_bench_against_the_server(server, client, tmp_path):
+    """`adaspec bench` as a user runs it: a few streamed chat requests; the JSON counts them,
+    has no errors, and carries the replicas' telemetry."""
+    cmd = [sys.executable, "-m", "adaspec.cli", "bench", "--url", server.url, "--dataset", "sharegpt",
+           "--rate", "4", "--num-prompts", "4", "--max-tokens", "12", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "TPOT" in proc.stdout and "mean accepted length" in proc.stdout
+    doc = json.loads(next(tmp_path.glob("bench-sharegpt-rate4*.json")).read_text())
+    m, t = doc["metrics"], doc["telemetry"]
+    assert (m["completed"], m["errors"]) == (4, 0)
+    assert m["total_output_tokens"] == 4 * 12  # ignore_eos: exactly max_tokens each
+    assert m["tpot_s"]["mean"] > 0 and m["ttft_s"]["p99"] >= m["ttft_s"]["p50"] > 0
+    assert t["available"] and t["steps"] > 0 and t["mean_k"] is not None and t["timeline"]
+    assert "mean_accepted_length" in t and "acceptance_rate" in t
