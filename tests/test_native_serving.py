@@ -1,0 +1,265 @@
+"""The native tree engine served by the app (issue 6, phase 2), through the real stack.
+
+One server per module, started as a user would: `serve run configs/app-tree.yaml` (Ray
+Serve, the native engine, SmolLM2-135M, n-gram trees, controller and admin on, port 8001),
+in its own local Ray cluster so it can run beside the default app of tests/conftest.py.
+Run it under `flock /tmp/adaspec-8001.lock` when others share the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from adaspec.policy import SpecPolicy
+from tests.conftest import MODEL, _port_in_use
+from native_engine.requests import SamplingParams
+from tests.serve_process import REPO, ServeProcess, session_processes
+
+pytestmark = pytest.mark.slow
+
+PORT = 8001  # configs/app-tree.yaml's http_options
+URL = f"http://127.0.0.1:{PORT}"
+TREE_TABLE = "1-2:tree4x2x2,3+:chain2"
+# Repeats itself, so n-gram prompt lookup finds continuations to draft.
+REPETITIVE = "one two three four five six, one two three four five six, one two three four"
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def tree_server(tmp_path_factory):
+    if _port_in_use(PORT):
+        pytest.fail(f"port {PORT} is in use; stop the other server first")
+    workdir = tmp_path_factory.mktemp("serve-tree")
+    log = workdir / "serve.log"
+    # RAY_ADDRESS=local: a Ray cluster of its own, whatever else runs on the machine; a
+    # fresh controller checkpoint, so nothing is resumed from a developer's own.
+    proc = ServeProcess(REPO / "configs" / "app-tree.yaml", URL, log,
+                        env={"RAY_ADDRESS": "local", "ADASPEC_CONTROLLER_DIR": str(workdir / "controller")})
+    proc.start()
+    try:
+        ready_s = proc.wait_ready(MODEL, timeout_s=600)
+    except BaseException:
+        proc.stop()
+        raise
+    print(f"\n[tree server] ready {ready_s:.0f} s after `serve run` (log: {log})")
+    yield proc
+    proc.stop()
+    left = session_processes(proc.proc.pid)
+    assert not left, f"processes of `serve run` left behind: {left}"
+
+
+@pytest.fixture
+def client(tree_server):
+    with httpx.Client(base_url=URL, timeout=300) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference_engine():
+    """The same model in this process, for token-for-token comparisons."""
+    import torch
+
+    from native_engine.engine import EngineConfig, NativeEngine
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # leave a core to the server
+    yield NativeEngine.from_pretrained(MODEL, drafter="none", config=EngineConfig(max_batch_size=1, max_seq_len=256))
+    torch.set_num_threads(threads)
+
+
+def _set_controller(client: httpx.Client, action: str) -> dict:
+    resp = client.post("/admin/controller", json={"action": action})
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def _status(client: httpx.Client) -> dict:
+    resp = client.get("/admin/status")
+    assert resp.status_code == 200, resp.text
+    (replica,) = resp.json()
+    return replica
+
+
+def _sse(resp: httpx.Response) -> tuple[str, list[str | None]]:
+    """Concatenated chat deltas and the finish reasons of a chat stream."""
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    text, reasons, done = [], [], False
+    for line in resp.iter_lines():
+        if not line.startswith("data: "):
+            continue
+        if line == "data: [DONE]":
+            done = True
+            continue
+        choice = json.loads(line[len("data: "):])["choices"][0]
+        text.append(choice["delta"].get("content") or "")
+        reasons.append(choice.get("finish_reason"))
+    assert done, "stream did not end with [DONE]"
+    return "".join(text), reasons
+
+
+# ----------------------------------------------------------------------------------- OpenAI API
+def test_models_lists_the_served_model(client):
+    resp = client.get("/v1/models")
+    assert resp.status_code == 200
+    assert [m["id"] for m in resp.json()["data"]] == [MODEL]
+
+
+@pytest.mark.parametrize("prompt", ["The capital of France is", REPETITIVE])
+def test_greedy_completion_equals_the_engine_run_directly(tree_server, reference_engine, prompt):
+    api = openai.OpenAI(base_url=f"{URL}/v1", api_key="unused")
+    out = api.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    ids = reference_engine.generate([prompt], SamplingParams(max_tokens=24))[0]
+    assert out.choices[0].text == reference_engine.tokenizer.decode(ids, skip_special_tokens=True)
+    assert out.usage.completion_tokens == len(ids)
+    assert out.usage.prompt_tokens == len(reference_engine.tokenizer.encode(prompt).ids)
+    assert out.choices[0].finish_reason == ("length" if len(ids) == 24 else "stop")
+
+
+def test_chat_stream_concatenates_to_the_non_streamed_answer(client):
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 20, "temperature": 0}
+    resp = client.post("/v1/chat/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    answer = resp.json()
+    message = answer["choices"][0]["message"]
+    assert message["role"] == "assistant" and "Paris" in message["content"]
+    usage = answer["usage"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as stream:
+        assert stream.status_code == 200
+        text, reasons = _sse(stream)
+    assert text == message["content"]
+    assert reasons[-1] == answer["choices"][0]["finish_reason"] and not any(reasons[:-1])
+
+
+def test_stop_string_and_max_tokens_set_the_finish_reason(client):
+    body = {"model": MODEL, "prompt": REPETITIVE, "temperature": 0}
+    resp = client.post("/v1/completions", json={**body, "max_tokens": 3})
+    choice = resp.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and resp.json()["usage"]["completion_tokens"] == 3
+    resp = client.post("/v1/completions", json={**body, "max_tokens": 40, "stop": ["six"]})
+    choice = resp.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and "six" not in choice["text"]
+    assert choice["text"].startswith(" five")  # the stop string is cut, what came before stays
+    # Streamed, the stop string never shows up either (the tail is held back until it is ruled out).
+    with client.stream("POST", "/v1/completions", json={**body, "max_tokens": 40, "stop": ["six"], "stream": True}) as s:
+        chunks = [json.loads(line[6:])["choices"][0] for line in s.iter_lines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+    assert "".join(c["text"] for c in chunks) == choice["text"]
+    assert chunks[-1]["finish_reason"] == "stop"
+
+
+def test_seeded_sampling_repeats(client):
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0.9, "seed": 7}
+    first = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    assert client.post("/v1/completions", json=body).json()["choices"][0]["text"] == first
+
+
+@pytest.mark.parametrize("body,status", [
+    ({"model": "no-such-model", "prompt": "Hi"}, 404),
+    ({"model": MODEL, "prompt": "Hi", "max_tokens": 5000}, 400),  # beyond max_model_len 1024
+    ({"model": MODEL, "prompt": "Hi", "max_tokens": 0}, 400),
+    ({"model": MODEL, "prompt": "Hi", "temperature": -1}, 400),
+    ({"model": MODEL, "prompt": ""}, 400),
+    ({"model": MODEL, "prompt": "Hi", "n": 2}, 400),
+    ({"model": MODEL, "prompt": "word " * 1100, "max_tokens": 1}, 400),  # prompt beyond the window
+], ids=["unknown-model", "max-tokens-too-large", "max-tokens-zero", "negative-temperature", "empty-prompt",
+        "n-2", "prompt-too-long"])
+def test_bad_requests_get_4xx_with_a_message(client, body, status):
+    resp = client.post("/v1/completions", json=body)
+    assert resp.status_code == status, resp.text
+    assert resp.json()["error"]["message"]
+
+
+def test_malformed_body_gets_400(client):
+    resp = client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert 400 <= resp.status_code < 500, resp.text
+    resp = client.post("/v1/chat/completions", json={"model": MODEL, "messages": "not a list"})
+    assert 400 <= resp.status_code < 500, resp.text
+
+
+def test_client_disconnect_aborts_the_request(client):
+    body = {"model": MODEL, "prompt": "Count to a thousand: 1, 2, 3,", "max_tokens": 500,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as stream:
+        lines = stream.iter_lines()
+        while not next(lines).startswith("data: "):
+            pass
+    deadline = time.monotonic() + 30
+    while _status(client)["running"] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _status(client)["running"] == 0, "the engine kept generating for a closed stream"
+
+
+# ----------------------------------------------------------------------------------- control plane
+def test_controller_lists_the_native_replica(client):
+    replica = _status(client)
+    assert replica["capabilities"]["engine"] == "native" and replica["capabilities"]["supports_trees"]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        view = client.get("/admin/controller").json()
+        if any(r["replica_id"] == replica["replica_id"] for r in view["replicas"]):
+            break
+        time.sleep(1)
+    else:
+        pytest.fail(f"controller never listed replica {replica['replica_id']}: {view}")
+
+
+def test_tree_policy_applied_and_steps_count_tree_acceptance(client):
+    _set_controller(client, "pause")  # a manual policy; the controller would override it
+    try:
+        resp = client.post("/admin/policy", json={"table": TREE_TABLE})
+        assert resp.status_code == 200, resp.text
+        (ack,) = resp.json()
+        assert ack["status"] == "applied", ack
+        replica = _status(client)
+        assert str(SpecPolicy.model_validate(replica["policy"])) == TREE_TABLE
+        since = time.time()
+        for _ in range(2):
+            out = client.post("/v1/completions", json={"model": MODEL, "prompt": REPETITIVE, "max_tokens": 24,
+                                                       "temperature": 0}).json()
+            assert out["usage"]["completion_tokens"] > 0
+        steps = [s for s in _status(client)["steps"] if s["time"] > since and s["config"] == "tree4x2x2"]
+        assert steps, "no step ran the tree config"
+        reached = sum(sum(row) for s in steps for row in s["reached_per_depth_rank"])
+        accepted = sum(sum(row) for s in steps for row in s["accepted_per_depth_rank"])
+        assert reached > 0 and accepted > 0, (reached, accepted)
+        assert all(len(s["reached_per_depth_rank"]) == 3 for s in steps if s["num_decode_reqs"])
+    finally:
+        _set_controller(client, "resume")
+
+
+def test_impossible_tree_is_rejected_with_the_reason(client):
+    _set_controller(client, "pause")
+    try:
+        before = _status(client)["policy"]
+        (ack,) = client.post("/admin/policy", json={"table": "1+:tree8x8x8"}).json()
+        assert ack["status"] == "rejected" and "max_tree_nodes" in ack["message"], ack
+        (ack,) = client.post("/admin/policy", json={"table": "1+:tree2x2x2x2x2"}).json()  # deeper than max_k 4
+        assert ack["status"] == "rejected" and ack["message"], ack
+        assert _status(client)["policy"] == before
+    finally:
+        _set_controller(client, "resume")
+
+
+def test_cli_status_and_policy_set(tree_server):
+    cli = str(Path(sys.executable).parent / "adaspec")
+    env = {**os.environ, "ADASPEC_URL": URL}
+    subprocess.run([cli, "controller", "pause"], env=env, check=True, capture_output=True, timeout=60)
+    try:
+        res = subprocess.run([cli, "policy", "set", "--table", TREE_TABLE], env=env, capture_output=True,
+                             text=True, timeout=60)
+        assert res.returncode == 0 and "applied" in res.stdout, res.stdout + res.stderr
+        res = subprocess.run([cli, "status"], env=env, capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        assert "native" in res.stdout and TREE_TABLE in res.stdout, res.stdout
+    finally:
+        subprocess.run([cli, "controller", "resume"], env=env, capture_output=True, timeout=60)
