@@ -64,7 +64,8 @@ def served_model(url: str) -> str:
 async def bench_prompts(settings: BenchSettings, prompts: list[Prompt], offsets: list[float], model: str,
                         progress: bool = True, token: str | None = None) -> BenchResult:
     """Run `prompts` at `offsets` (seconds) with the replica probe on."""
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
+    for name in ("httpx", "openai"):  # one INFO line per request otherwise
+        logging.getLogger(name).setLevel(logging.WARNING)
     started = time.time()
     async with ReplicaProbe(settings.url, token) as probe:
         results: list[RequestResult] = await run_load(settings.url, model, prompts, offsets,

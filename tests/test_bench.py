@@ -193,7 +193,12 @@ def test_report_writes_markdown_and_plots_and_states_the_goals(tmp_path):
            "policies": {"off": "1+:off", "chain2": "1+:chain2", "adaptive": None},
            "machine": {"cpu": "x", "cores": 2, "memory_gib": 24, "platform": "linux", "loadavg_1_5_15": [1, 1, 1],
                        "date_utc": "now"},
-           "runs": runs, "phase_change": phase, "cross_check": None, "notes": ["max_k raised"]}
+           "runs": runs, "phase_change": phase, "notes": ["max_k raised"],
+           "cross_check": {"rate": float("inf"), "policy": "off", "num_prompts": 4, "max_tokens": 8, "rounds": 1,
+                           "adaspec_rounds": [{"output_throughput": 95.0}], "vllm_rounds": [{"output_throughput": 100.0}],
+                           "adaspec_output_throughput": 95.0, "vllm_output_throughput": 100.0,
+                           "adaspec_mean_tpot_s": 0.1, "vllm_mean_tpot_s": 0.1, "throughput_ratio": 0.95,
+                           "within_10pct": True, "vllm_command": "python -c ..."}}
     (tmp_path / "results.json").write_text(json.dumps(doc))
     report = write_report(tmp_path).read_text()
     for png in ("latency_vs_rate.png", "adaptive_k.png", "phase_change.png"):
@@ -201,6 +206,7 @@ def test_report_writes_markdown_and_plots_and_states_the_goals(tmp_path):
     assert "| inf | 100 / 150 / 10.0 |" in report
     assert "**missed** at" in report  # adaptive 0.17 vs oracle off 0.10 at inf
     assert "| sharegpt 1/s | 1 | 2.0 |" in report
+    assert "ratio **0.950** (within 10%)" in report
 
 
 # ---------------------------------------------------------------------------- CLI
@@ -242,3 +248,17 @@ def test_adaspec_bench_against_the_server(server, client, tmp_path):
     assert m["tpot_s"]["mean"] > 0 and m["ttft_s"]["p99"] >= m["ttft_s"]["p50"] > 0
     assert t["available"] and t["steps"] > 0 and t["mean_k"] is not None and t["timeline"]
     assert "mean_accepted_length" in t and "acceptance_rate" in t
+
+
+def test_summary_fits_one_screen_with_and_without_adaspec_telemetry():
+    from bench.harness import BenchResult, BenchSettings, format_summary
+    from bench.replica_probe import TelemetryTrace
+
+    rs = [_req(0.0, 0.5, 1.4, 10, itl=[0.1] * 9)]
+    settings = BenchSettings(url="http://x", dataset="sharegpt", rate=1.0, num_prompts=1)
+    for trace in (TelemetryTrace(available=False, error="HTTP 404"),
+                  trace_of({"r": [_step(0.5, 1, "chain2", drafts=2, accepted=(1, 0))]}, 0.0, ["1+:chain2"])):
+        text = format_summary(BenchResult(settings=settings, model="m", started_at=0.0,
+                                          metrics=summarize(rs, 2.0, 0.25), telemetry=trace))
+        assert len(text.splitlines()) <= 12 and "TPOT" in text and "goodput" in text
+        assert ("no adaspec telemetry" in text) != trace.available
