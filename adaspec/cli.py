@@ -1,6 +1,10 @@
 """The operator CLI: `adaspec <command>`.
 
   prepare-models              install and convert the embedded models (idempotent)
+  distill-draft --target MODEL --out DIR [--layers L --hidden H --tokens N --budget-minutes M --resume]
+                              train a small draft model on the target's own outputs and logits
+  eval-draft --target T --draft D [--dataset sharegpt|humaneval]   acceptance per position,
+                              mean accepted length for k = 1..8, draft/target cost ratio
   serve [CONFIG]              check a Serve config, then `serve run` it (default configs/app.yaml)
   status  --url URL [--json] [--watch S]  per replica: policy, batch sizes, acceptance, step
                               time; and the controller's view (rate, chosen policy, predicted vs
@@ -33,13 +37,14 @@ import time
 from pathlib import Path
 
 from adaspec import admin_client
-from adaspec.models import EMBEDDED_MODELS, ModelError, model_folder, prepare_model
+from adaspec.distill import DistillError
+from adaspec.models import BUNDLED_DRAFTS, EMBEDDED_MODELS, ModelError, model_folder, prepare_model
 from adaspec.policy import PolicyError, SpecPolicy
 from adaspec.serve_config import ConfigError
 
 
 def _cmd_prepare_models(args: argparse.Namespace) -> int:
-    names = args.names or sorted(EMBEDDED_MODELS)
+    names = args.names or sorted(EMBEDDED_MODELS) + sorted(BUNDLED_DRAFTS)
     results = {}
     for name in names:
         start = time.perf_counter()
@@ -49,6 +54,47 @@ def _cmd_prepare_models(args: argparse.Namespace) -> int:
             print(f"{name}: {folder} ({results[name]['seconds']} s)")
     if args.json:
         print(json.dumps(results, indent=2))
+    return 0
+
+
+def _cmd_distill_draft(args: argparse.Namespace) -> int:
+    import shlex
+
+    import torch
+
+    from adaspec.distill.draft import DraftShape
+    from adaspec.distill.pipeline import DistillRequest, distill
+
+    for flag, value in (("--layers", args.layers), ("--hidden", args.hidden), ("--tokens", args.tokens)):
+        if value < 1:
+            raise DistillError(f"{flag}: must be positive, got {value}")
+    if args.budget_minutes <= 0:
+        raise DistillError(f"--budget-minutes: must be positive, got {args.budget_minutes}")
+    torch.set_num_threads(args.threads)
+    req = DistillRequest(
+        target=args.target, out=Path(args.out),
+        shape=DraftShape(layers=args.layers, hidden=args.hidden, heads=max(1, args.hidden // 64),
+                         kv_heads=max(1, args.hidden // 128), intermediate=2 * args.hidden),
+        tokens=args.tokens, budget_minutes=args.budget_minutes, teacher_minutes=args.teacher_minutes,
+        teacher_tokens=args.teacher_tokens, resume=args.resume, dataset=args.dataset,
+        eval_prompts=args.eval_prompts, eval_max_new_tokens=args.eval_max_tokens, text_sequences=args.text_sequences,
+        command_line="adaspec distill-draft " + " ".join(shlex.quote(a) for a in sys.argv[2:]))
+    out, result, state = distill(req)
+    print(f"draft written to {out} ({state.tokens_seen:,} positions, {state.train_seconds / 60:.1f} min of training)")
+    print(result.table())
+    return 0
+
+
+def _cmd_eval_draft(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    import torch
+
+    from adaspec.distill.pipeline import eval_draft
+
+    torch.set_num_threads(args.threads)
+    result = eval_draft(args.target, args.draft, args.dataset, args.prompts, args.max_tokens)
+    print(json.dumps(dataclasses.asdict(result), indent=2) if args.json else result.table())
     return 0
 
 
@@ -310,10 +356,39 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("prepare-models", help="install and convert the embedded models")
-    p.add_argument("names", nargs="*", help=f"models to prepare (default all: {sorted(EMBEDDED_MODELS)})")
+    p.add_argument("names", nargs="*", help=f"models to prepare (default all: {sorted(EMBEDDED_MODELS) + sorted(BUNDLED_DRAFTS)})")
     p.add_argument("--force", action="store_true", help="rebuild even if already prepared")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_prepare_models)
+
+    p = sub.add_parser("distill-draft", help="train a draft model for a target (knowledge distillation)")
+    p.add_argument("--target", required=True, help="embedded model name or Llama-family folder")
+    p.add_argument("--out", required=True, help="folder to write (empty, new, or an earlier draft)")
+    p.add_argument("--layers", type=int, default=3, help="draft decoder layers")
+    p.add_argument("--hidden", type=int, default=256, help="draft hidden size (heads of 64)")
+    p.add_argument("--tokens", type=int, default=2_000_000, help="training positions to see in total")
+    p.add_argument("--budget-minutes", type=float, default=60.0, help="wall-clock budget of the whole command")
+    p.add_argument("--teacher-minutes", type=float, default=None,
+                   help="of which generating teacher data (default 40%% while the cache is short)")
+    p.add_argument("--teacher-tokens", type=int, default=400_000, help="teacher positions wanted in the cache")
+    p.add_argument("--dataset", default="sharegpt", choices=["sharegpt", "humaneval"])
+    p.add_argument("--eval-prompts", type=int, default=40, help="held-out prompts for the card's numbers")
+    p.add_argument("--eval-max-tokens", type=int, default=128, help="target tokens per held-out prompt")
+    p.add_argument("--text-sequences", type=int, default=0,
+                   help="also train on this many dataset conversations (next-token; no target compute)")
+    p.add_argument("--resume", action="store_true", help="continue from this --out's checkpoint")
+    p.add_argument("--threads", type=int, default=2, help="torch threads")
+    p.set_defaults(func=_cmd_distill_draft)
+
+    p = sub.add_parser("eval-draft", help="acceptance and cost of a draft model for a target")
+    p.add_argument("--target", required=True, help="embedded model name or folder")
+    p.add_argument("--draft", required=True, help="draft model name or folder")
+    p.add_argument("--dataset", default="sharegpt", choices=["sharegpt", "humaneval"])
+    p.add_argument("--prompts", type=int, default=40, help="held-out prompts (test split)")
+    p.add_argument("--max-tokens", type=int, default=128, help="target tokens per held-out prompt")
+    p.add_argument("--threads", type=int, default=2, help="torch threads")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_eval_draft)
 
     p = sub.add_parser("serve", help="check a Serve config and run it with `serve run`")
     p.add_argument("config", nargs="?", default="configs/app.yaml", help="Ray Serve config file")
@@ -401,7 +476,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ModelError, PolicyError, ConfigError, admin_client.AdminError, FileNotFoundError, UsageError) as e:
+    except (ModelError, PolicyError, ConfigError, admin_client.AdminError, DistillError, FileNotFoundError,
+            UsageError) as e:
         print(f"adaspec: error: {e}", file=sys.stderr)
         return 2
 

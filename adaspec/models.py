@@ -6,8 +6,13 @@ Hugging Face safetensors folder into the cache. The folder is built under a temp
 and renamed when complete, and a marker file listing its files is written last, so an
 interrupted run is detected (no marker, or a file missing) and rebuilt.
 
+Drafts the project trained itself (`adaspec distill-draft`) are committed under `models/` and
+listed in BUNDLED_DRAFTS; they need no conversion, so they resolve to their folder in the
+repository (`prepare-models` checks them).
+
 A model reference in a config is one of:
 - an embedded name (`smollm2-135m-instruct`): resolved to the prepared cache folder;
+- a bundled draft name (`smollm2-135m-instruct-draft`): its folder under `models/`;
 - a local folder: used as it is;
 - anything else: a Hugging Face id, handed to the engine unchanged.
 """
@@ -53,6 +58,11 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
     ),
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
+
+REPO_MODELS = Path(__file__).resolve().parents[1] / "models"
+# name -> folder under models/: drafts distilled by `adaspec distill-draft` (see their README.md)
+BUNDLED_DRAFTS: dict[str, str] = {}
+DRAFT_MARKER = "adaspec-draft.json"  # written last by distill-draft, lists the folder's files
 
 
 class ModelError(ValueError):
@@ -136,15 +146,31 @@ def _convert_gguf(source_dir: Path, model: EmbeddedModel, out: Path) -> list[str
     return sorted(p.name for p in out.iterdir() if p.is_file())
 
 
+def bundled_draft(name: str) -> Path:
+    """The folder of a committed draft, checked complete (its marker and every listed file)."""
+    folder = REPO_MODELS / BUNDLED_DRAFTS[name.lower()]
+    marker = folder / DRAFT_MARKER
+    try:
+        files = json.loads(marker.read_text())["files"]
+    except (OSError, ValueError, KeyError):
+        raise ModelError(f"bundled draft {name!r}: {folder} is missing or has no {DRAFT_MARKER}") from None
+    missing = [f for f in files if not (folder / f).is_file()]
+    if missing:
+        raise ModelError(f"bundled draft {name!r}: {folder} lacks {missing}")
+    return folder
+
+
 def prepare_model(name: str, force: bool = False) -> Path:
     """Make the embedded model `name` available as a safetensors folder; return the folder.
 
     Idempotent: a complete folder is returned as it is (unless `force`); an incomplete one
-    (an interrupted earlier run) is removed and rebuilt.
+    (an interrupted earlier run) is removed and rebuilt. A bundled draft is only checked.
     """
+    if name.lower() in BUNDLED_DRAFTS:
+        return bundled_draft(name)
     model = embedded_model(name)
     if model is None:
-        raise ModelError(f"unknown embedded model {name!r}; known: {sorted(EMBEDDED_MODELS)}")
+        raise ModelError(f"unknown embedded model {name!r}; known: {sorted(EMBEDDED_MODELS) + sorted(BUNDLED_DRAFTS)}")
     folder = model_folder(model.name)
     if is_complete(folder) and not force:
         logger.info("%s is ready at %s", model.name, folder)
@@ -178,6 +204,8 @@ def resolve_model(reference: str, prepare: bool = True) -> str:
     """
     if not reference or not reference.strip():
         raise ModelError("model reference is empty")
+    if reference.lower() in BUNDLED_DRAFTS:
+        return str(bundled_draft(reference))
     model = embedded_model(reference)
     if model is not None:
         folder = model_folder(model.name)

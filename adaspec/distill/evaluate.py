@@ -1,0 +1,196 @@
+"""How good a draft is for its target: acceptance per position, accepted length, cost ratio.
+
+Terms (as in vLLM and docs/papers.md): a chain of k draft tokens is verified by one target
+pass; the *acceptance at position i* is the probability that draft token i is accepted given
+tokens 1..i-1 were; the *mean accepted length* is the tokens one verify step yields, the
+target's bonus token included: E(k) = 1 + sum_{i<=k} prod_{j<=i} p_j.
+
+Measured on held-out prompts the target continues itself (`max_new_tokens` each):
+- T=0 (greedy): exact. The draft's greedy proposal after an accepted prefix equals its
+  teacher-forced argmax along the target's greedy path, so one draft pass over that path
+  gives every chain's outcome: position t matches when argmax q(. | x<=t) = x_{t+1}. E(k) is
+  then counted by replaying greedy speculative decoding from the first generated token.
+- T=1 (sampling, Leviathan et al. 2023): a draft token is accepted with probability
+  alpha_t = sum_x min(p_t(x), q_t(x)). Measured along the target's own T=1 samples, summing
+  over the target's top-k tokens only (a lower bound; the top 32 hold nearly all the mass).
+  Approximation: after an acceptance the context is the target's sample, not the draft's.
+- Cost ratio: milliseconds of one decode forward at batch 1 (KV cache, ~256 tokens of
+  context) for the draft over the target, same code (native_engine.model), same dtype,
+  interleaved so load on the machine hits both alike.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from adaspec.distill.teacher import TeacherSequence, TeacherSettings, generate_batch
+from native_engine.kv_cache import KVCache
+from native_engine.model import Transformer, causal_mask
+
+MAX_POSITION = 8  # acceptance reported for positions 1..8, E(k) for k = 1..8
+
+
+@dataclass
+class DraftEval:
+    dataset: str
+    prompts: int
+    generated_tokens_t0: int
+    acceptance_t0: list[float]  # [position 1..8] conditional acceptance
+    acceptance_t1: list[float]
+    mean_accepted_length_t0: dict[int, float]  # k -> tokens per verify step (bonus included)
+    mean_accepted_length_t1: dict[int, float]
+    draft_ms: float  # one batch-1 decode forward
+    target_ms: float
+    cost_ratio: float = field(init=False)
+
+    def __post_init__(self):
+        self.cost_ratio = self.draft_ms / self.target_ms
+
+    def table(self) -> str:
+        lines = [f"{self.dataset}: {self.prompts} held-out prompts, {self.generated_tokens_t0} target tokens (T=0)",
+                 "position            " + " ".join(f"{i:>5d}" for i in range(1, MAX_POSITION + 1)),
+                 "acceptance T=0      " + " ".join(f"{v:5.3f}" for v in self.acceptance_t0),
+                 "acceptance T=1      " + " ".join(f"{v:5.3f}" for v in self.acceptance_t1),
+                 "k                   " + " ".join(f"{k:>5d}" for k in self.mean_accepted_length_t0),
+                 "accepted length T=0 " + " ".join(f"{v:5.2f}" for v in self.mean_accepted_length_t0.values()),
+                 "accepted length T=1 " + " ".join(f"{v:5.2f}" for v in self.mean_accepted_length_t1.values()),
+                 f"cost per token: draft {self.draft_ms:.2f} ms, target {self.target_ms:.2f} ms, "
+                 f"ratio {self.cost_ratio:.3f}"]
+        return "\n".join(lines)
+
+
+@torch.no_grad()
+def _draft_logprobs(draft: Transformer, seq: TeacherSequence) -> torch.Tensor:
+    """Draft log-probs [L - 1, V] along the sequence (teacher forcing, one pass)."""
+    toks = seq.tokens.long()[None, :-1]
+    T = toks.shape[1]
+    h = draft(toks, torch.arange(T)[None], causal_mask(torch.tensor([T]), T))[0]
+    return torch.log_softmax(draft.logits(h), dim=-1)
+
+
+def _conditional(reach: list[torch.Tensor], accept: list[torch.Tensor]) -> list[float]:
+    return [float(a.sum() / r.sum()) if float(r.sum()) > 0 else 0.0 for r, a in zip(reach, accept)]
+
+
+def greedy_stats(matches: list[torch.Tensor]) -> tuple[list[float], dict[int, float]]:
+    """matches[s][t]: draft argmax equals the target's next token at generated position t."""
+    reach = [torch.zeros(()) for _ in range(MAX_POSITION)]
+    accept = [torch.zeros(()) for _ in range(MAX_POSITION)]
+    for m in matches:
+        m = m.float()
+        n = len(m)
+        run = torch.ones(n)  # all of m[t..t+i-2] matched
+        for i in range(MAX_POSITION):
+            if i >= n:
+                break
+            reach[i] = reach[i] + run[: n - i].sum()
+            hit = run[: n - i] * m[i:]
+            accept[i] = accept[i] + hit.sum()
+            run = hit
+    lengths = {}
+    for k in range(1, MAX_POSITION + 1):
+        tokens = steps = 0
+        for m in matches:
+            ml, t = m.tolist(), 0
+            while t < len(ml):
+                run = 0
+                while run < k and t + run < len(ml) and ml[t + run]:
+                    run += 1
+                steps, tokens, t = steps + 1, tokens + run + 1, t + run + 1
+        lengths[k] = tokens / max(steps, 1)
+    return _conditional(reach, accept), lengths
+
+
+def sampled_stats(alphas: list[torch.Tensor]) -> tuple[list[float], dict[int, float]]:
+    """alphas[s][t]: acceptance probability of a sampled draft token at generated position t."""
+    reach = [torch.zeros(()) for _ in range(MAX_POSITION)]
+    accept = [torch.zeros(()) for _ in range(MAX_POSITION)]
+    for a in alphas:
+        n = len(a)
+        run = torch.ones(n)
+        for i in range(min(MAX_POSITION, n)):
+            reach[i] = reach[i] + run[: n - i].sum()
+            run = run[: n - i] * a[i:]
+            accept[i] = accept[i] + run.sum()
+    p = _conditional(reach, accept)
+    lengths, prod, total = {}, 1.0, 1.0
+    for k in range(1, MAX_POSITION + 1):
+        prod *= p[k - 1]
+        total += prod
+        lengths[k] = total
+    return p, lengths
+
+
+@torch.no_grad()
+def step_ms(target: Transformer, draft: Transformer, context: int = 256, repeats: int = 20) -> tuple[float, float]:
+    """Median ms of one batch-1 decode forward (logits included) for draft and target."""
+    def make(model):
+        a = model.args
+        cache = KVCache.allocate(a.n_layers, 1, a.n_kv_heads, context + repeats + 8, a.head_dim,
+                                 model.lm_head.weight.dtype)
+        return model, cache
+
+    runs = {"draft": make(draft), "target": make(target)}
+    times: dict[str, list[float]] = {"draft": [], "target": []}
+    for r in range(repeats + 3):  # interleaved, first 3 rounds are warm-up
+        for name, (model, cache) in runs.items():
+            pos = torch.tensor([[context + r]])
+            mask = torch.ones((1, 1, 1, context + r + 1), dtype=torch.bool)
+            t = time.perf_counter()
+            h = model(torch.tensor([[5]]), pos, mask, cache, 0, pos, context + r + 1)
+            model.logits(h[:, -1])
+            if r >= 3:
+                times[name].append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times["draft"]), statistics.median(times["target"])
+
+
+def heldout_sequences(target: Transformer, prompts: list[list[int]], eos_ids: frozenset[int],
+                      max_new_tokens: int, cache: Path | None = None) -> tuple[list, list]:
+    """The target's greedy and T=1 continuations of `prompts` (cached in `cache` when given)."""
+    if cache is not None and cache.is_file():
+        data = torch.load(cache, weights_only=True)
+        return ([TeacherSequence(**d) for d in data["t0"]], [TeacherSequence(**d) for d in data["t1"]])
+    settings = TeacherSettings(max_new_tokens=max_new_tokens)
+    gen = torch.Generator().manual_seed(1234)
+    t0 = generate_batch(target, prompts, settings, 0.0, eos_ids, gen)
+    t1 = generate_batch(target, prompts, settings, 1.0, eos_ids, gen)
+    if cache is not None:
+        from dataclasses import asdict
+
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(".tmp")
+        torch.save({"t0": [asdict(s) for s in t0], "t1": [asdict(s) for s in t1]}, tmp)
+        tmp.replace(cache)
+    return t0, t1
+
+
+@torch.no_grad()
+def evaluate(target: Transformer, draft: Transformer, t0: list[TeacherSequence], t1: list[TeacherSequence],
+             dataset: str, measure_cost: bool = True) -> DraftEval:
+    """Acceptance and accepted length on held-out continuations; cost ratio on this machine."""
+    draft.eval()
+    matches, alphas, generated = [], [], 0
+    for seq in t0:
+        start = seq.prompt_len - 1  # the position that predicts the first generated token
+        if len(seq.tokens) - 1 <= start:
+            continue
+        pred = _draft_logprobs(draft, seq)[start:].argmax(-1)
+        matches.append(pred == seq.tokens[start + 1:].long())
+        generated += len(seq.tokens) - seq.prompt_len
+    for seq in t1:
+        start = seq.prompt_len - 1
+        if len(seq.tokens) - 1 <= start:
+            continue
+        q = _draft_logprobs(draft, seq)[start:].exp()  # [n, V]
+        ids = seq.topk_ids[start:].long()
+        p = seq.topk_logprobs[start:].float().exp()
+        alphas.append(torch.minimum(p, q.gather(1, ids)).sum(-1))
+    acc0, len0 = greedy_stats(matches)
+    acc1, len1 = sampled_stats(alphas)
+    draft_ms, target_ms = step_ms(target, draft) if measure_cost else (float("nan"), 1.0)
+    return DraftEval(dataset, len(t0), generated, acc0, acc1, len0, len1, draft_ms, target_ms)
