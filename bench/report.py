@@ -227,7 +227,9 @@ def write_report(out: Path) -> Path:
         lines += ["", f"## {dataset}", ""] + results_table(doc, dataset)
     lines += ["", "## Verdicts", "",
               "Speed ratios (reference mean TPOT / adaptive mean TPOT; >1: adaptive faster). "
-              f"Best single static policy over the whole sweep: `{v['best_static']}`.", "",
+              f"Best single static policy over the whole sweep: `{v['best_static']}`. The oracle at a point "
+              "is the smallest of several noisy measurements, so it is biased in its own favour (winner's "
+              "curse): on a noisy machine a policy identical to the oracle would score below 1 too.", "",
               "| dataset | rate | oracle | adaptive / oracle | adaptive / best static | goal >= 0.97 |",
               "|---|---|---|---|---|---|"]
     for p in v["points"]:
@@ -270,8 +272,9 @@ def phase_section(phase: dict | None) -> list[str]:
     adaptive = phase["runs"].get(ADAPTIVE)
     if adaptive:
         lines += ["", "Controller settle time after each change (segment start to its last policy change; "
-                  "0 = no change needed):", "",
-                  "| segment | policy changes | settle (s) | segment (s) | configs switched to |", "|---|---|---|---|---|"]
+                  "0 = no change needed; close to the segment's length = not settled):", "",
+                  "| segment | policy changes | settle (s) | segment (s) | config of the first step under each new "
+                  "version (a new table may differ only at other batch sizes) |", "|---|---|---|---|---|"]
         for st, seg in zip(adaptive["settle"], segs):
             lines.append(f"| {seg['dataset']} {seg['rate']:g}/s | {st['changes']} | {st['settle_s']:.1f} | "
                          f"{st['segment_s']:.0f} | {', '.join(st['configs']) or '-'} |")
@@ -294,3 +297,7 @@ def cross_check_section(x: dict | None) -> list[str]:
             f"{_ms(x['vllm_mean_tpot_s'])} ms): ratio **{x['throughput_ratio']:.3f}** "
             f"({'within' if x['within_10pct'] else 'NOT within'} 10%).", "",
             f"vLLM command: `{x['vllm_command']}`"]
+
+
+if __name__ == "__main__":
+    print(write_report(Path(sys.argv[1])))
