@@ -153,8 +153,13 @@ class AdaspecNativeEngine(LLMEngine):
             yield oai.error_response(str(e))
             return
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{request.request_id}-{next(self._ids)}"
+        try:  # before anything is yielded: a refusal must be the stream's first (and only) item
+            inbox = await self._submit(request_id, prompt, params)
+        except ValueError as e:  # the engine refused it (e.g. too long for its cache)
+            yield oai.error_response(str(e))
+            return
         result = oai.Result(request_id, request.model or self.model_id, int(time.time()), len(prompt))
-        outputs = self._run(request_id, prompt, params)
+        outputs = self._outputs(request_id, inbox)
         try:
             if request.stream:
                 async for chunk in self._stream(outputs, result, params, chat, request):
@@ -164,8 +169,6 @@ class AdaspecNativeEngine(LLMEngine):
                     result.text, result.finish_reason = out.text or "", out.finish_reason
                     result.completion_tokens = out.num_output_tokens
                 yield oai.chat_response(result) if chat else oai.completion_response(result)
-        except oai.BadRequest as e:
-            yield oai.error_response(str(e))
         finally:
             await outputs.aclose()  # aborts the request if it is still running
 
@@ -187,17 +190,17 @@ class AdaspecNativeEngine(LLMEngine):
             yield oai.sse(oai.usage_chunk(result, chat))
         yield oai.SSE_DONE
 
-    async def _run(self, request_id: str, prompt: list[int], params: SamplingParams
-                   ) -> AsyncGenerator[RequestOutput, None]:
-        """Submit to the engine thread; yield its outputs (several steps' coalesced into
-        the latest) until the request finishes. Closing this generator early aborts it."""
+    async def _submit(self, request_id: str, prompt: list[int], params: SamplingParams) -> asyncio.Queue:
+        """Add the request on the engine thread; its outputs will arrive in the returned queue."""
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue = asyncio.Queue()
         sink = lambda out: loop.call_soon_threadsafe(inbox.put_nowait, out)  # noqa: E731 - engine thread
-        try:
-            await asyncio.wrap_future(self._loop.submit(request_id, prompt, params, sink))
-        except ValueError as e:  # the engine refused it (e.g. too long for its cache)
-            raise oai.BadRequest(str(e)) from None
+        await asyncio.wrap_future(self._loop.submit(request_id, prompt, params, sink))
+        return inbox
+
+    async def _outputs(self, request_id: str, inbox: asyncio.Queue) -> AsyncGenerator[RequestOutput, None]:
+        """The request's outputs (several steps' coalesced into the latest) until it
+        finishes. Closing this generator early aborts the request."""
         finished = False
         try:
             while not finished:
