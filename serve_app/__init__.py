@@ -2,7 +2,8 @@
 
 Modules: `config` (the app config schema), `builder` (config -> Serve application),
 `ingress` (OpenAI + admin HTTP routes), `replica` (the replica deployment),
-`vllm_engine` / `vllm_scheduler` (the live policy and telemetry inside vLLM).
+`vllm_engine` / `vllm_scheduler` (the live policy and telemetry inside vLLM),
+`native_adapter` / `native_loop` / `native_openai` (the native tree engine served).
 """
 
 from typing import Any
