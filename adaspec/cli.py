@@ -78,6 +78,7 @@ def _cmd_distill_draft(args: argparse.Namespace) -> int:
         tokens=args.tokens, budget_minutes=args.budget_minutes, teacher_minutes=args.teacher_minutes,
         teacher_tokens=args.teacher_tokens, resume=args.resume, dataset=args.dataset,
         eval_prompts=args.eval_prompts, eval_max_new_tokens=args.eval_max_tokens, text_sequences=args.text_sequences,
+        tokenizer_files=not args.no_tokenizer,
         command_line="adaspec distill-draft " + " ".join(shlex.quote(a) for a in sys.argv[2:]))
     out, result, state = distill(req)
     print(f"draft written to {out} ({state.tokens_seen:,} positions, {state.train_seconds / 60:.1f} min of training)")
@@ -377,6 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text-sequences", type=int, default=0,
                    help="also train on this many dataset conversations (next-token; no target compute)")
     p.add_argument("--resume", action="store_true", help="continue from this --out's checkpoint")
+    p.add_argument("--no-tokenizer", action="store_true",
+                   help="leave the target's tokenizer files out of --out (vLLM and the native engine use the target's)")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.set_defaults(func=_cmd_distill_draft)
 

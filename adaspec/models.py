@@ -61,7 +61,9 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 REPO_MODELS = Path(__file__).resolve().parents[1] / "models"
 # name -> folder under models/: drafts distilled by `adaspec distill-draft` (see their README.md)
-BUNDLED_DRAFTS: dict[str, str] = {}
+BUNDLED_DRAFTS: dict[str, str] = {
+    "smollm2-135m-instruct-draft": "smollm2-135m-instruct-draft",  # for smollm2-135m-instruct
+}
 DRAFT_MARKER = "adaspec-draft.json"  # written last by distill-draft, lists the folder's files
 
 

@@ -34,7 +34,8 @@ def model_card(target_ref: str, target_folder: Path, draft: Transformer, info: d
         "",
         f"A {a.n_layers}-layer Llama trained by `adaspec distill-draft` to draft for `{target_ref}` in speculative "
         "decoding (vLLM `method: draft_model`, adaspec's native tree engine). It shares the target's tokenizer "
-        "and vocabulary; the files here are the target's tokenizer files.",
+        "and vocabulary" + ("; the tokenizer files here are the target's." if info.get("tokenizer_files", True) else
+        f" (its tokenizer files are left out to stay small: use `{target_ref}`'s; vLLM and the native engine do)."),
         "",
         "## Architecture",
         f"- LlamaForCausalLM: {a.n_layers} layers, hidden {a.dim}, {a.n_heads} heads ({a.n_kv_heads} KV heads, "

@@ -127,8 +127,11 @@ def check_output_folder(out: Path) -> None:
 
 
 def save_draft(draft: Transformer, target_folder: Path, out: Path, card: str, info: dict,
-               dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Write the draft folder atomically (a temporary sibling, then a rename); return it."""
+               dtype: torch.dtype = torch.bfloat16, tokenizer: bool = True) -> Path:
+    """Write the draft folder atomically (a temporary sibling, then a rename); return it.
+
+    tokenizer=False leaves the target's tokenizer files out (SmolLM2's tokenizer.json is
+    3.5 MB): vLLM's `draft_model` and the native engine tokenise with the target's anyway."""
     from safetensors.torch import save_file
 
     check_output_folder(out)
@@ -142,7 +145,7 @@ def save_draft(draft: Transformer, target_folder: Path, out: Path, card: str, in
     config = hf_config(draft.args, target_config)
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     (partial / "config.json").write_text(json.dumps(config, indent=2))
-    for name in TOKENIZER_FILES:
+    for name in TOKENIZER_FILES if tokenizer else ("generation_config.json",):
         if (target_folder / name).is_file():
             shutil.copy2(target_folder / name, partial / name)
     (partial / "README.md").write_text(card)

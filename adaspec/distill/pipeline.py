@@ -53,6 +53,7 @@ class DistillRequest:
     teacher_repeat: int = 3  # target-generated sequences count this many times beside dataset text
     prompts: list[list[int]] | None = None  # token-id prompts instead of a dataset (tests, tokenizer-less)
     eval_prompt_ids: list[list[int]] | None = None
+    tokenizer_files: bool = True  # copy the target's tokenizer files into the draft folder
 
 
 def work_root(request_root: Path | None) -> Path:
@@ -175,9 +176,9 @@ def distill(req: DistillRequest) -> tuple[Path, DraftEval, TrainState]:
             "this_run_train_seconds": round(train_s), "teacher_positions": have, "teacher_repeat": req.teacher_repeat, "teacher_sequences": n_teacher,
             "text_sequences": len(seqs) - n_teacher * (req.teacher_repeat if req.text_sequences and req.prompts is None else 1),
             "teacher": asdict(req.teacher), "train": asdict(settings), "final_loss": state.last_loss,
-            "final_agreement": state.last_agreement, "eval": asdict(result), "command": req.command_line}
+            "final_agreement": state.last_agreement, "tokenizer_files": req.tokenizer_files, "eval": asdict(result), "command": req.command_line}
     card = model_card(req.target, folder, draft, info, result)
-    out = draft_mod.save_draft(draft, folder, req.out, card, info)
+    out = draft_mod.save_draft(draft, folder, req.out, card, info, tokenizer=req.tokenizer_files)
     return out, result, state
 
 
