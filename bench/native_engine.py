@@ -406,8 +406,8 @@ def plot(results: list[dict], summary: dict, out: Path, name: str, drafter: str)
         series["best chain"].append(b.get("best_chain_tokens_per_s", 0))
         series["best tree"].append(b.get("best_tree_tokens_per_s", 0))
     width = 0.27
-    for i, (name, ys) in enumerate(series.items()):
-        ax.bar([j + (i - 1) * width for j in range(len(batches))], ys, width, label=name)
+    for i, (label, ys) in enumerate(series.items()):
+        ax.bar([j + (i - 1) * width for j in range(len(batches))], ys, width, label=label)
     ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
     ax.set_ylabel("decode tokens/s")
     ax.set_title(f"native engine, SmolLM2-135M fp32, CPU 2 threads, {drafter} drafts")
