@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import MODEL, URL, complete
+from tests.conftest import MODEL, URL, complete, push_policy, set_controller
 
 pytestmark = pytest.mark.slow
 
@@ -133,11 +133,18 @@ def _counter(metrics: str, name: str) -> float:
 
 
 def test_ngram_speculation_is_really_on(server, client):
-    before = _counter(server.metrics_text(), "ray_vllm_spec_decode_num_draft_tokens_total")
-    complete(client, REPETITIVE, max_tokens=48)
-    for _ in range(30):  # Ray exports metrics every few seconds
-        after = _counter(server.metrics_text(), "ray_vllm_spec_decode_num_draft_tokens_total")
-        if after > before:
-            break
-        time.sleep(1)
+    # The controller may have turned speculation off at batch 1 by now (earlier tests taught
+    # it); hold a speculating policy for this check.
+    set_controller(client, "pause")
+    try:
+        push_policy(client, "chain4")
+        before = _counter(server.metrics_text(), "ray_vllm_spec_decode_num_draft_tokens_total")
+        complete(client, REPETITIVE, max_tokens=48)
+        for _ in range(30):  # Ray exports metrics every 10 s
+            after = _counter(server.metrics_text(), "ray_vllm_spec_decode_num_draft_tokens_total")
+            if after > before:
+                break
+            time.sleep(1)
+    finally:
+        set_controller(client, "resume")
     assert after > before, "vLLM's spec-decode draft counter did not grow"
