@@ -182,11 +182,10 @@ class SpecReplica(LLMServer):
         self._steps.extend(report.steps)
         self._requests.extend(report.requests)
         horizon = time.time() - self._settings.window_s
-        for q in (self._steps, self._arrivals, self._finishes):
-            while q and (q[0].time if isinstance(q[0], StepRecord) else q[0]) < horizon:
+        for q, time_of in ((self._steps, lambda s: s.time), (self._requests, lambda r: r.finish_time),
+                           (self._arrivals, float), (self._finishes, float)):
+            while q and time_of(q[0]) < horizon:
                 q.popleft()
-        while self._requests and self._requests[0].finish_time < horizon:
-            self._requests.popleft()
         self._metrics.observe(report, report.running)
 
     async def _report_forever(self) -> None:
