@@ -168,6 +168,22 @@ def test_verdicts_both_ways():
     assert v["points"][1]["vs_oracle"] == pytest.approx(0.5)
 
 
+
+def test_draft_tpot_summary_turns_vllm_counters_into_ratios_and_plots(tmp_path):
+    from bench.draft_tpot import plot, summary_rows
+
+    counters = {"vllm:spec_decode_num_drafts": 10, "vllm:spec_decode_num_draft_tokens": 40,
+                "vllm:spec_decode_num_accepted_tokens": 12}
+    rows = summary_rows({"off": {"mean_tpot_ms": 60.0, "spec_metrics": {}},
+                         "draft_model_k4": {"mean_tpot_ms": 45.0, "spec_metrics": counters}})
+    assert rows[0] == {"run": "off", "mean_tpot_ms": 60.0, "tpot_ratio": 1.0, "acceptance": None,
+                       "mean_accepted_length": None}
+    assert rows[1]["tpot_ratio"] == pytest.approx(0.75)
+    assert rows[1]["acceptance"] == pytest.approx(12 / 40)
+    assert rows[1]["mean_accepted_length"] == pytest.approx(1 + 12 / 10)  # bonus token included
+    plot(rows, tmp_path / "tpot.png", "d")
+    assert (tmp_path / "tpot.png").stat().st_size > 1000
+
 def _run(dataset, rate, policy, tpot, order):
     metrics = {"tpot_s": {"mean": tpot, "p50": tpot, "p99": 1.5 * tpot}, "output_throughput": 1 / tpot,
                "completed": 4, "errors": 0}

@@ -108,9 +108,9 @@ def cached_positions(cache: Path) -> int:
 
 
 @torch.no_grad()
-def _topk(model: Transformer, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k next-token log-probs of hidden states [N, D] -> ids [N, K] int32, logprobs [N, K] fp16."""
-    logprobs = torch.log_softmax(model.logits(hidden), dim=-1)
+def _topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k next-token log-probs of logits [N, V] -> ids [N, K] int32, logprobs [N, K] fp16."""
+    logprobs = torch.log_softmax(logits, dim=-1)
     top = logprobs.topk(k, dim=-1)
     return top.indices.to(torch.int32), top.values.to(torch.float16)
 
@@ -140,7 +140,7 @@ def generate_batch(model: Transformer, prompts: list[list[int]], settings: Teach
     last = torch.zeros((B, a.dim), dtype=hidden.dtype)
     for b in range(B):
         L = int(lengths[b])
-        i, v = _topk(model, hidden[b, :L], k)  # [L, K]
+        i, v = _topk(model.logits(hidden[b, :L]), k)  # [L, K]
         ids_parts[b].append(i)
         lp_parts[b].append(v)
         last[b] = hidden[b, L - 1]
@@ -165,8 +165,8 @@ def generate_batch(model: Transformer, prompts: list[list[int]], settings: Teach
         key_len = int(cur.max()) + 1
         mask = (torch.arange(key_len)[None, :] <= cur[:, None])[:, None, None, :]  # [B, 1, 1, S]
         h = model(nxt[:, None], cur[:, None], mask, cache, 0, cur[:, None], key_len)[:, 0]  # [B, D]
-        i, v = _topk(model, h, k)
-        logits = model.logits(h)
+        logits = model.logits(h)  # [B, V], once: the lm_head is a large share of a decode step
+        i, v = _topk(logits, k)
         for b in range(B):
             if not done[b]:
                 ids_parts[b].append(i[b: b + 1])
