@@ -93,6 +93,16 @@ def memory_bandwidth_gbs(nbytes: int = 1 << 29, repeats: int = 5) -> float:
     return 2 * nbytes / best / 1e9
 
 
+def streamed_weight_bytes(model) -> int:
+    """Bytes of weights one decode step reads: all but the embedding table (one row per token is
+    looked up), plus the lm_head (the embedding itself when tied and not yet prepared for serving)."""
+    embedding = model.model.embed_tokens.weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters() if p is not embedding)
+    if model.lm_head.weight.data_ptr() == embedding.data_ptr():
+        total += embedding.numel() * embedding.element_size()
+    return total
+
+
 def _timed(fn) -> float:
     t = time.perf_counter()
     fn()
@@ -213,7 +223,7 @@ def main() -> None:
     print(f"[bench] loading {MODEL} (float32, {args.threads} threads), drafter {args.drafter}", flush=True)
     base = NativeEngine.from_pretrained(MODEL, drafter=args.drafter, draft_model=args.draft_model,
                                         config=EngineConfig(max_batch_size=1, max_seq_len=512))
-    weight_bytes = sum(p.numel() * p.element_size() for p in base.model.parameters())  # tied: counted once
+    weight_bytes = streamed_weight_bytes(base.model)
     prompts, prompt_source = load_prompts(max(REQUESTS[b] for b in batches))
     print(f"[bench] prompts: {prompt_source}", flush=True)
     bandwidth = memory_bandwidth_gbs()

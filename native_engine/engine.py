@@ -92,13 +92,14 @@ class NativeEngine:
         from native_engine.drafters import DraftModelDrafter
 
         folder = Path(resolve_model(model, prepare=False))
-        target = load_model(folder, dtype=dtype, device=device)
+        target = load_model(folder, dtype=dtype, device=device).prepare_for_serving()
         if drafter == "ngram":
             drafter = NgramDrafter()
         elif drafter == "draft_model":
             if draft_model is None:
                 raise ValueError("drafter='draft_model' needs draft_model (a model name or folder)")
-            small = load_model(resolve_model(draft_model, prepare=False), dtype=dtype, device=device)
+            small = load_model(resolve_model(draft_model, prepare=False), dtype=dtype,
+                               device=device).prepare_for_serving()
             drafter = DraftModelDrafter(small, config.max_batch_size, config.max_seq_len)
         elif drafter == "none":
             drafter = None

@@ -152,15 +152,27 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.qkv_proj: nn.Linear | None = None  # set by Transformer.fuse_projections
+
+    def fuse(self) -> None:
+        """q, k and v as one matmul; the separate projections are removed (inference only)."""
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_proj = _concat_linears(parts)
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None, row_start: int, write_pos, key_len: int
                 ) -> torch.Tensor:
         """x [B, T, D]; mask [B, 1, T, S] bool (True = attend); write_pos [B, T] cache positions."""
         a = self.args
         B, T, _ = x.shape
-        q = apply_rope(self.q_proj(x).view(B, T, a.n_heads, a.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(B, T, a.n_kv_heads, a.head_dim), cos, sin)
-        v = self.v_proj(x).view(B, T, a.n_kv_heads, a.head_dim)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split([a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim,
+                                              a.n_kv_heads * a.head_dim], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = apply_rope(q.view(B, T, a.n_heads, a.head_dim), cos, sin)
+        k = apply_rope(k.view(B, T, a.n_kv_heads, a.head_dim), cos, sin)
+        v = v.view(B, T, a.n_kv_heads, a.head_dim)
         if cache is None:  # no cache: attend among the given tokens only (S = T)
             keys, values = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, Dh]
         else:
@@ -176,9 +188,31 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
         self.up_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=False)
+        self.gate_up_proj: nn.Linear | None = None  # set by Transformer.fuse_projections
+
+    def fuse(self) -> None:
+        """gate and up as one matmul; the separate projections are removed (inference only)."""
+        self.gate_up_proj = _concat_linears((self.gate_proj, self.up_proj))
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def _concat_linears(parts: tuple[nn.Linear, ...]) -> nn.Linear:
+    """One Linear whose output is the parts' outputs side by side (same device and dtype)."""
+    w = parts[0].weight
+    fused = nn.Linear(w.shape[1], sum(p.weight.shape[0] for p in parts), bias=parts[0].bias is not None,
+                      device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([p.weight for p in parts]))
+        if fused.bias is not None:
+            fused.bias.copy_(torch.cat([p.bias for p in parts]))
+    return fused.requires_grad_(w.requires_grad)
 
 
 class DecoderLayer(nn.Module):
@@ -215,6 +249,7 @@ class Transformer(nn.Module):
         if args.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.serving = False  # prepare_for_serving has rearranged the weights
 
     def rope(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Cached cos/sin tables covering at least `length` positions, on the model's device."""
@@ -244,6 +279,52 @@ class Transformer(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [..., V] of hidden states [..., D]."""
         return self.lm_head(hidden).float()
+
+    def prepare_for_serving(self) -> Transformer:
+        """Rearrange the weights for fast decoding; the outputs stay the same. Returns self.
+
+        - Each layer's q/k/v and gate/up projections become one matmul each (as vLLM's
+          QKVParallelLinear and MergedColumnParallelLinear): 4 matmuls per layer instead of 7.
+          At small batch every call pays a dispatch and a thread-pool wake-up on a CPU (a
+          kernel launch on a GPU), and a wider matrix streams at a better rate.
+        - On a CPU, every matmul weight is stored input-major ([in, out], `InputMajorLinear`):
+          at batch 1 the BLAS here (MKL on an AMD EPYC) streams that layout about 2x faster
+          than nn.Linear's [out, in] (lm_head 4.3 vs 9.2 ms on one thread). The tied lm_head
+          then gets its own copy, V x D more memory.
+
+        Inference only: the state dict no longer has Hugging Face's names, so load, train and
+        save before calling this. Calling it twice changes nothing."""
+        if self.serving:
+            return self
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        if self.lm_head.weight.device.type == "cpu":
+            for module in list(self.modules()):
+                for name, child in list(module.named_children()):
+                    if type(child) is nn.Linear:
+                        setattr(module, name, InputMajorLinear(child))
+        self.serving = True
+        return self
+
+
+class InputMajorLinear(nn.Module):
+    """y = x @ W_t + b with W_t stored [in, out] (nn.Linear stores [out, in]); see
+    Transformer.prepare_for_serving for why. `weight` is the usual [out, in] view of it, for
+    code that reads a layer's dtype, device or shape."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.weight_t = nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.weight_t.t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.matmul(x, self.weight_t)
+        return y if self.bias is None else y + self.bias
 
 
 def causal_mask(lengths: torch.Tensor, T: int) -> torch.Tensor:

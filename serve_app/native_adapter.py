@@ -82,7 +82,7 @@ def build_engine(s: NativeSettings):
     if s.draft_method == "ngram":
         drafter = NgramDrafter(max_n=s.prompt_lookup_max, min_n=s.prompt_lookup_min, max_depth=s.max_k)
     else:
-        small = load_model(s.draft_model_path, dtype=dtype, device=s.device)
+        small = load_model(s.draft_model_path, dtype=dtype, device=s.device).prepare_for_serving()
         drafter = DraftModelDrafter(small, config.max_batch_size, config.max_seq_len, max_depth=s.max_k)
     return NativeEngine.from_pretrained(s.model_path, drafter=drafter, dtype=dtype, device=s.device,
                                         config=config, policy=SpecPolicy.parse(s.policy, version=0))

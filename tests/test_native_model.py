@@ -54,6 +54,26 @@ def test_logits_match_hf_transformers(arch, tie, extra):
         assert torch.allclose(ours.logits(hidden), ref, atol=1e-4), (ours.logits(hidden) - ref).abs().max()
 
 
+
+@pytest.mark.parametrize("arch,tie", [("LlamaForCausalLM", True), ("Qwen2ForCausalLM", False)])
+def test_prepare_for_serving_keeps_the_logits(arch, tie):
+    hf, ours, _ = _hf_pair(arch, tie)
+    tokens = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(2))
+    pos, mask = torch.arange(9)[None].expand(2, 9), causal_mask(torch.tensor([9, 6]), 9)
+    with torch.no_grad():
+        before = ours.logits(ours(tokens, pos, mask))
+        served = ours.prepare_for_serving()
+        assert served is ours and ours.serving and ours.prepare_for_serving() is ours  # twice: no change
+        layer = ours.model.layers[0]
+        assert layer.self_attn.qkv_proj is not None and not hasattr(layer.self_attn, "q_proj")
+        assert layer.mlp.gate_up_proj is not None and not hasattr(layer.mlp, "up_proj")
+        # on a CPU every matmul weight is input-major, the lm_head's too; the embedding is untouched
+        assert not any(type(m) is torch.nn.Linear for m in ours.modules())
+        assert ours.lm_head.weight.shape == (97, 64) and ours.lm_head.weight.data_ptr() != \
+            ours.model.embed_tokens.weight.data_ptr()
+        after = ours.logits(ours(tokens, pos, mask))
+        assert torch.allclose(after, before, atol=1e-5), (after - before).abs().max()
+
 def test_hf_folder_loads_with_tied_embeddings(tmp_path):
     hf, _, cfg = _hf_pair("LlamaForCausalLM", True)
     state = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
