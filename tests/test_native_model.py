@@ -67,8 +67,10 @@ def test_prepare_for_serving_keeps_the_logits(arch, tie):
         layer = ours.model.layers[0]
         assert layer.self_attn.qkv_proj is not None and not hasattr(layer.self_attn, "q_proj")
         assert layer.mlp.gate_up_proj is not None and not hasattr(layer.mlp, "up_proj")
-        # on a CPU every matmul weight is input-major, the lm_head's too; the embedding is untouched
+        # on a CPU every matmul is a CpuLinear, the lm_head too; the embedding is untouched
         assert not any(type(m) is torch.nn.Linear for m in ours.modules())
+        one = ours.logits(ours(tokens[:1, :1], pos[:1, :1], causal_mask(torch.tensor([1]), 1)))  # the M = 1 path
+        assert torch.allclose(one, before[:1, :1], atol=1e-5)
         assert ours.lm_head.weight.shape == (97, 64) and ours.lm_head.weight.data_ptr() != \
             ours.model.embed_tokens.weight.data_ptr()
         after = ours.logits(ours(tokens, pos, mask))
