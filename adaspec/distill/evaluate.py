@@ -21,6 +21,7 @@ Measured on held-out prompts the target continues itself (`max_new_tokens` each)
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -128,8 +129,11 @@ def sampled_stats(alphas: list[torch.Tensor]) -> tuple[list[float], dict[int, fl
 
 @torch.no_grad()
 def step_ms(target: Transformer, draft: Transformer, context: int = 256, repeats: int = 20) -> tuple[float, float]:
-    """Median ms of one batch-1 decode forward (logits included) for draft and target."""
+    """Median ms of one batch-1 decode forward (logits included) for draft and target, each as the
+    engine serves it (Transformer.prepare_for_serving; a copy when the model is still training)."""
     def make(model):
+        if not model.serving:
+            model = copy.deepcopy(model).prepare_for_serving()
         a = model.args
         cache = KVCache.allocate(a.n_layers, 1, a.n_kv_heads, context + repeats + 8, a.head_dim,
                                  model.lm_head.weight.dtype)

@@ -70,7 +70,7 @@ def load_target(reference: str) -> tuple[Path, Transformer]:
         if not folder.is_dir():
             raise DistillError(f"--target {reference}: a local folder or embedded model is needed "
                                "(the teacher runs in the native engine)")
-        return folder, load_model(folder)
+        return folder, load_model(folder).prepare_for_serving()  # inference only: teacher and evaluation
     except (ModelError, ModelLoadError) as e:
         raise DistillError(f"--target {reference}: {e}") from None
 
