@@ -152,7 +152,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=args.qkv_bias)
         self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
-        self.qkv_proj: nn.Linear | None = None  # set by Transformer.fuse_projections
+        self.qkv_proj: nn.Linear | None = None  # set by Transformer.prepare_for_serving
 
     def fuse(self) -> None:
         """q, k and v as one matmul; the separate projections are removed (inference only)."""
@@ -188,7 +188,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
         self.up_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=False)
-        self.gate_up_proj: nn.Linear | None = None  # set by Transformer.fuse_projections
+        self.gate_up_proj: nn.Linear | None = None  # set by Transformer.prepare_for_serving
 
     def fuse(self) -> None:
         """gate and up as one matmul; the separate projections are removed (inference only)."""
@@ -315,7 +315,8 @@ class CpuLinear(nn.Module):
     case on this machine's BLAS (see Transformer.prepare_for_serving):
     - one token (batch-1 decode, M = 1): input-major [in, out], y = x @ W_t, a GEMV;
     - several tokens (verify passes, batches, prefill): oneDNN's blocked layout, prepacked once
-      (`torch.ops.mkldnn`, as vLLM-cpu and torch.compile's CPU backend do); without oneDNN, F.linear.
+      (`torch.ops.mkldnn`, as vLLM-cpu and torch.compile's CPU backend do); without oneDNN
+      (or for bfloat16), the input-major weight again.
     Twice the weight memory: meant for the small models a CPU serves. `weight` is the usual
     [out, in] view, for code that reads a layer's dtype, device or shape."""
 

@@ -168,7 +168,6 @@ def test_verdicts_both_ways():
     assert v["points"][1]["vs_oracle"] == pytest.approx(0.5)
 
 
-
 def test_draft_tpot_summary_turns_vllm_counters_into_ratios_and_plots(tmp_path):
     from bench.draft_tpot import plot, summary_rows
 
@@ -183,6 +182,7 @@ def test_draft_tpot_summary_turns_vllm_counters_into_ratios_and_plots(tmp_path):
     assert rows[1]["mean_accepted_length"] == pytest.approx(1 + 12 / 10)  # bonus token included
     plot(rows, tmp_path / "tpot.png", "d")
     assert (tmp_path / "tpot.png").stat().st_size > 1000
+
 
 def _run(dataset, rate, policy, tpot, order):
     metrics = {"tpot_s": {"mean": tpot, "p50": tpot, "p99": 1.5 * tpot}, "output_throughput": 1 / tpot,

@@ -54,7 +54,6 @@ def test_logits_match_hf_transformers(arch, tie, extra):
         assert torch.allclose(ours.logits(hidden), ref, atol=1e-4), (ours.logits(hidden) - ref).abs().max()
 
 
-
 @pytest.mark.parametrize("arch,tie", [("LlamaForCausalLM", True), ("Qwen2ForCausalLM", False)])
 def test_prepare_for_serving_keeps_the_logits(arch, tie):
     hf, ours, _ = _hf_pair(arch, tie)
@@ -75,6 +74,7 @@ def test_prepare_for_serving_keeps_the_logits(arch, tie):
             ours.model.embed_tokens.weight.data_ptr()
         after = ours.logits(ours(tokens, pos, mask))
         assert torch.allclose(after, before, atol=1e-5), (after - before).abs().max()
+
 
 def test_hf_folder_loads_with_tied_embeddings(tmp_path):
     hf, _, cfg = _hf_pair("LlamaForCausalLM", True)
