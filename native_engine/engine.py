@@ -262,10 +262,12 @@ class NativeEngine:
         T = tokens.shape[1]
         key_len = max(lengths) + T
         assert key_len <= self.cache.max_len, "cache row overflow: admission should have prevented it"
-        lens = torch.tensor(lengths)
-        mask = attention_mask(block, lens, key_len)
         dev = self.device
-        hidden = self.model(tokens.to(dev), pos.to(dev), mask.to(dev), self.cache, 0, write.to(dev), key_len)
+        if T == 1 and min(lengths) == max(lengths):
+            mask = None  # one token per row, every row as long: each attends all key_len keys
+        else:
+            mask = attention_mask(block, torch.tensor(lengths), key_len).to(dev)
+        hidden = self.model(tokens.to(dev), pos.to(dev), mask, self.cache, 0, write.to(dev), key_len)
         counts = [len(t) + 1 for t in trees]
         real = torch.tensor([b * T + i for b, n in enumerate(counts) for i in range(n)], device=dev)
         logits = self.model.logits(hidden.reshape(-1, hidden.shape[-1])[real])  # [sum counts, V]

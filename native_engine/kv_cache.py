@@ -48,9 +48,13 @@ class KVCache:
         return those rows' keys and values [B, Hkv, key_len, Dh] (views, no copy)."""
         B, T = write_pos.shape
         # The engine checks capacity once per step (a check here would sync every layer).
-        rows = torch.arange(row_start, row_start + B, device=write_pos.device)[:, None].expand(B, T)
-        self.k[layer][rows, :, write_pos] = k
-        self.v[layer][rows, :, write_pos] = v
+        if B == 1:  # one row: a plain index_copy_, cheaper than advanced indexing at decode
+            self.k[layer, row_start].index_copy_(1, write_pos[0], k[0].transpose(0, 1))
+            self.v[layer, row_start].index_copy_(1, write_pos[0], v[0].transpose(0, 1))
+        else:
+            rows = torch.arange(row_start, row_start + B, device=write_pos.device)[:, None].expand(B, T)
+            self.k[layer][rows, :, write_pos] = k
+            self.v[layer][rows, :, write_pos] = v
         end = row_start + B
         return self.k[layer, row_start:end, :, :key_len], self.v[layer, row_start:end, :, :key_len]
 
