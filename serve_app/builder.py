@@ -144,4 +144,5 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         llm_deployments={cfg.model_id: replicas},
         model_cards={cfg.model_id: to_model_metadata(cfg.model_id, config)},
         admin=cfg.admin,
+        controller=cfg.controller,
     )

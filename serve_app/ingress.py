@@ -25,6 +25,7 @@ from adaspec.policy import PolicyError, SpecPolicy
 from ray.llm._internal.serve.core.configs.openai_api_models import OpenAIHTTPException
 from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS, OpenAiIngress
 from ray.llm._internal.serve.utils.broadcast import broadcast
+from controller.config import ControllerConfig
 from serve_app.config import AdminConfig
 
 OPENAI_ROUTES = ("models", "model_data", "completions", "chat")
@@ -57,9 +58,11 @@ def new_policy_version() -> int:
 class AdaspecIngress(OpenAiIngress):
     """OpenAI ingress with admin routes that reach every replica of the model."""
 
-    def __init__(self, llm_deployments, model_cards, *, admin: AdminConfig, **kwargs):
+    def __init__(self, llm_deployments, model_cards, *, admin: AdminConfig,
+                 controller: ControllerConfig | None = None, **kwargs):
         super().__init__(llm_deployments, model_cards, **kwargs)
         self._admin = admin
+        self._controller_config = controller
 
     async def _get_model_id(self, model: str | None) -> str:
         # Ray's ingress answers an unknown model with FastAPI's {"detail": ...}; clients of
@@ -104,8 +107,12 @@ class AdaspecIngress(OpenAiIngress):
 
 
     async def _controller(self):
-        from controller.actor import get_controller
+        from controller.actor import get_controller, get_or_create_controller
 
+        if self._controller_config is not None and self._controller_config.enabled:
+            # The replicas create the controller at their first control period; an admin call
+            # just after start must not find it missing, so whoever comes first creates it.
+            return await asyncio.to_thread(get_or_create_controller, self._controller_config)
         try:
             return await asyncio.to_thread(get_controller)
         except ValueError:
