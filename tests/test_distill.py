@@ -185,12 +185,16 @@ def test_acceptance_statistics_by_hand():
     acc, lengths = greedy_stats([m])
     assert acc[0] == pytest.approx(3 / 6)  # position 1: 3 of 6 starts match
     assert acc[1] == pytest.approx(1 / 3)  # position 2: of the starts t=0,1,3 that matched, only t=0 goes on
+    assert acc[2] == 0.0  # position 3: reached once (t=0), rejected
+    assert acc[3] is None  # position 4: no chain got there, so no data (not 0)
     # k=1 replay: t=0 accepts 1 (+ bonus), t=2 rejects, t=3 accepts 1, t=5 rejects: 6 tokens in 4 steps
     assert lengths[1] == pytest.approx((2 + 1 + 2 + 1) / 4)
     assert lengths[8] == pytest.approx((3 + 2 + 1) / 3)  # t=0 run 2, t=3 run 1, t=5 run 0
     acc1, len1 = sampled_stats([torch.full((50,), 0.5)])
     assert acc1[0] == pytest.approx(0.5) and acc1[3] == pytest.approx(0.5)
     assert len1[4] == pytest.approx(1 + 0.5 + 0.25 + 0.125 + 0.0625)
+    acc2, len2 = sampled_stats([torch.full((2,), 0.5)])  # a 2-token sequence: positions 3.. unreached
+    assert acc2[2] is None and len2[8] == pytest.approx(len2[2])
 
 
 @pytest.mark.slow

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from adaspec.distill.evaluate import DraftEval
+from adaspec.distill.evaluate import DraftEval, format_rate
 from native_engine.model import Transformer
 
 # The goals of issue 7, printed beside the measured numbers.
@@ -14,7 +14,7 @@ GOAL_COST = 0.12  # draft / target cost per token
 
 
 def goal_lines(result: DraftEval) -> list[str]:
-    rows = [("acceptance at position 1 (T=0)", result.acceptance_t0[0], GOAL_ACCEPT_1, True),
+    rows = [("acceptance at position 1 (T=0)", result.acceptance_t0[0] or 0.0, GOAL_ACCEPT_1, True),
             ("mean accepted length, k=4 (T=0)", result.mean_accepted_length_t0[4], GOAL_LENGTH_K4, True),
             ("cost ratio draft/target per token", result.cost_ratio, GOAL_COST, False)]
     out = []
@@ -65,8 +65,8 @@ def model_card(target_ref: str, target_folder: Path, draft: Transformer, info: d
         "",
         "| position | " + " | ".join(str(i) for i in range(1, 9)) + " |",
         "|---|" + "---|" * 8,
-        "| acceptance T=0 | " + " | ".join(f"{v:.3f}" for v in result.acceptance_t0) + " |",
-        "| acceptance T=1 | " + " | ".join(f"{v:.3f}" for v in result.acceptance_t1) + " |",
+        "| acceptance T=0 | " + " | ".join(format_rate(v) for v in result.acceptance_t0) + " |",
+        "| acceptance T=1 | " + " | ".join(format_rate(v) for v in result.acceptance_t1) + " |",
         "",
         "| k | " + " | ".join(str(k) for k in result.mean_accepted_length_t0) + " |",
         "|---|" + "---|" * 8,

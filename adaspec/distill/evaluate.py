@@ -41,8 +41,8 @@ class DraftEval:
     dataset: str
     prompts: int
     generated_tokens_t0: int
-    acceptance_t0: list[float]  # [position 1..8] conditional acceptance
-    acceptance_t1: list[float]
+    acceptance_t0: list[float | None]  # [position 1..8] conditional acceptance; None: never reached
+    acceptance_t1: list[float | None]
     mean_accepted_length_t0: dict[int, float]  # k -> tokens per verify step (bonus included)
     mean_accepted_length_t1: dict[int, float]
     draft_ms: float  # one batch-1 decode forward
@@ -55,8 +55,8 @@ class DraftEval:
     def table(self) -> str:
         lines = [f"{self.dataset}: {self.prompts} held-out prompts, {self.generated_tokens_t0} target tokens (T=0)",
                  "position            " + " ".join(f"{i:>5d}" for i in range(1, MAX_POSITION + 1)),
-                 "acceptance T=0      " + " ".join(f"{v:5.3f}" for v in self.acceptance_t0),
-                 "acceptance T=1      " + " ".join(f"{v:5.3f}" for v in self.acceptance_t1),
+                 "acceptance T=0      " + " ".join(format_rate(v, 5) for v in self.acceptance_t0),
+                 "acceptance T=1      " + " ".join(format_rate(v, 5) for v in self.acceptance_t1),
                  "k                   " + " ".join(f"{k:>5d}" for k in self.mean_accepted_length_t0),
                  "accepted length T=0 " + " ".join(f"{v:5.2f}" for v in self.mean_accepted_length_t0.values()),
                  "accepted length T=1 " + " ".join(f"{v:5.2f}" for v in self.mean_accepted_length_t1.values()),
@@ -74,8 +74,14 @@ def _draft_logprobs(draft: Transformer, seq: TeacherSequence) -> torch.Tensor:
     return torch.log_softmax(draft.logits(h), dim=-1)
 
 
-def _conditional(reach: list[torch.Tensor], accept: list[torch.Tensor]) -> list[float]:
-    return [float(a.sum() / r.sum()) if float(r.sum()) > 0 else 0.0 for r, a in zip(reach, accept)]
+def format_rate(value: float | None, width: int = 0) -> str:
+    """An acceptance rate with 3 decimals, or "-" for a position no chain reached."""
+    return f"{value:{width}.3f}" if value is not None else "-".rjust(width)
+
+
+def _conditional(reach: list[torch.Tensor], accept: list[torch.Tensor]) -> list[float | None]:
+    """accept / reach per position; None where no chain reached the position (no data)."""
+    return [float(a.sum() / r.sum()) if float(r.sum()) > 0 else None for r, a in zip(reach, accept)]
 
 
 def greedy_stats(matches: list[torch.Tensor]) -> tuple[list[float], dict[int, float]]:
@@ -121,7 +127,7 @@ def sampled_stats(alphas: list[torch.Tensor]) -> tuple[list[float], dict[int, fl
     p = _conditional(reach, accept)
     lengths, prod, total = {}, 1.0, 1.0
     for k in range(1, MAX_POSITION + 1):
-        prod *= p[k - 1]
+        prod *= p[k - 1] or 0.0  # unreached: nothing accepted there
         total += prod
         lengths[k] = total
     return p, lengths
