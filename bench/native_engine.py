@@ -223,8 +223,6 @@ def main() -> None:
     if args.drafter == "draft_model" and not args.draft_model:
         parser.error("--drafter draft_model needs --draft-model")
     batches = tuple(int(b) for b in args.batches.split(","))
-    if args.vllm and len(batches) > 2:  # checked before the native runs, not after them
-        parser.error("--vllm: at most two batch sizes per run (bench/vllm_baseline.py), e.g. --batches 1,4")
     chosen = set(args.shapes.split(",")) | {"off"} if args.shapes else None
     name = args.name or ("native_engine" if args.drafter == "ngram" else "draft_model")
     torch.set_num_threads(args.threads)
