@@ -283,6 +283,9 @@ def main() -> None:
                   f"(e2e {r['e2e_tokens_per_s']:5.1f})", flush=True)
 
     summary = summarize(results, batches, weight_bytes, bandwidth)
+    for s in summary["same_budget"]:
+        s["bound"] = same_budget_bound([r for r in all_steps if r["bench_batch"] == s["batch"]
+                                        and r["bench_shape"].startswith("tree")], s["budget"])
     if vllm is not None:
         summary["vs_vllm"] = compare_vllm(results, vllm)
     summary["goals"] = goal_checks(summary)
@@ -352,6 +355,32 @@ def goal_checks(summary: dict) -> list[dict]:
     return checks
 
 
+def same_budget_bound(tree_steps: list[dict], budget: int, max_depth: int = 8) -> dict | None:
+    """What the drafter's measured acceptance allows at a node budget: the best tree
+    (Sequoia's dynamic program, controller.acceptance.best_tree) against the chain of the same
+    budget, both from the conditional rate per (depth, sibling rank) the tree runs measured.
+    Ranks the runs never drafted count as rejected, so this bounds trees of the measured widths."""
+    import numpy as np
+
+    from controller.acceptance import (MAX_DEPTH, MAX_RANK, best_tree, chain_expected_length,
+                                       marginal_from_conditional)
+
+    reached, accepted = np.zeros((MAX_DEPTH, MAX_RANK)), np.zeros((MAX_DEPTH, MAX_RANK))
+    for step in tree_steps:
+        for d, (rs, accs) in enumerate(zip(step["reached_per_depth_rank"], step["accepted_per_depth_rank"])):
+            for r, (n, a) in enumerate(zip(rs, accs)):
+                if d < MAX_DEPTH and r < MAX_RANK:
+                    reached[d, r] += n
+                    accepted[d, r] += a
+    if not reached[0, 0]:
+        return None
+    p = np.divide(accepted, reached, out=np.zeros_like(accepted), where=reached > 0)
+    tree_length, parents = best_tree(marginal_from_conditional(p), budget, max_depth)
+    chain_length = chain_expected_length(p[:budget, 0])
+    return {"best_tree_length": tree_length, "best_tree_parents": parents, "chain_length": chain_length,
+            "ratio": tree_length / chain_length, "rank_rates_depth1": p[0].tolist()}
+
+
 def summarize(results: list[dict], batches: tuple[int, ...], weight_bytes: int, bandwidth: float) -> dict:
     by = {(r["batch"], r["shape"]): r for r in results}
     best = {}
@@ -366,7 +395,8 @@ def summarize(results: list[dict], batches: tuple[int, ...], weight_bytes: int, 
             if best[batch][key]:
                 best[batch][key + "_tokens_per_s"] = by[(batch, best[batch][key])]["decode_tokens_per_s"]
     same_budget = [
-        {"batch": b, "chain": c, "tree": t, "chain_accepted_length": by[(b, c)]["mean_accepted_length"],
+        {"batch": b, "chain": c, "tree": t, "budget": int(t.partition("@")[2]),
+         "chain_accepted_length": by[(b, c)]["mean_accepted_length"],
          "tree_accepted_length": by[(b, t)]["mean_accepted_length"]}
         for b, c, t in SAME_BUDGET if (b, c) in by and (b, t) in by
     ]
@@ -395,6 +425,11 @@ def print_table(results: list[dict], summary: dict) -> None:
     for s in summary["same_budget"]:
         print(f"same node budget, batch {s['batch']}: {s['chain']} accepted length {s['chain_accepted_length']:.2f} vs "
               f"{s['tree']} {s['tree_accepted_length']:.2f}")
+        if s.get("bound"):
+            bd = s["bound"]
+            print(f"  at this drafter's measured acceptance per (depth, rank), the best {s['budget']}-node tree "
+                  f"gives {bd['best_tree_length']:.2f} vs chain {bd['chain_length']:.2f}: at most {bd['ratio']:.2f}x "
+                  f"(depth-1 ranks accepted {', '.join(f'{x:.2f}' for x in bd['rank_rates_depth1'][:4])})")
     rf = summary["roofline"]
     print(f"roofline: weights / copy bandwidth = {rf['weights_stream_ms']:.1f} ms per step "
           f"({rf['copy_bandwidth_gbs']:.1f} GB/s); measured batch-1 step {rf['measured_batch1_step_ms']:.1f} ms "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 
-from bench.native_engine import _vllm_processes_in_session, compare_vllm, goal_checks, new_drafter
+from bench.native_engine import _vllm_processes_in_session, compare_vllm, goal_checks, new_drafter, same_budget_bound
 from native_engine.drafters import DraftModelDrafter, NgramDrafter
 
 
@@ -62,3 +62,21 @@ def test_new_drafter_gives_each_run_its_own_draft_cache():
 
 def test_no_vllm_processes_in_this_session():
     assert _vllm_processes_in_session(os.getsid(0)) == []
+
+
+def _tree_step(reached: list[list[int]], accepted: list[list[int]]) -> dict:
+    return {"reached_per_depth_rank": reached, "accepted_per_depth_rank": accepted}
+
+
+def test_same_budget_bound_from_measured_rank_rates():
+    # 100 verify steps of a 2-wide, 2-deep tree: rank 0 accepted 50%, rank 1 (after rank 0
+    # failed) 50%, depth 2 rank 0 50%.
+    step = _tree_step([[100, 50], [50, 0]], [[50, 25], [25, 0]])
+    bound = same_budget_bound([step], budget=2)
+    # chain of 2: 1 + 0.5 + 0.25 = 1.75; best 2-node tree: both depth-1 ranks, 1 + 0.5 + 0.25 = 1.75
+    assert math.isclose(bound["chain_length"], 1.75) and math.isclose(bound["best_tree_length"], 1.75)
+    bound = same_budget_bound([step], budget=3)
+    # chain of 3 (depth 3 never measured: rejected): 1.75; tree: 1 + 0.5 + 0.25 + 0.5 * 0.5 = 2.0
+    assert math.isclose(bound["chain_length"], 1.75) and math.isclose(bound["best_tree_length"], 2.0)
+    assert math.isclose(bound["ratio"], 2.0 / 1.75) and sorted(bound["best_tree_parents"]) == [-1, -1, 0]
+    assert same_budget_bound([], budget=4) is None
