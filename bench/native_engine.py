@@ -20,7 +20,8 @@ next to the engine's `off` row, and the ratio native / vLLM per batch.
 
 Prints a table and the issue's goal checks and writes {out}/{name}.json (name: native_engine
 for n-gram, draft_model for a draft model, or --name), its steps file and plot. Records the
-machine's load average: other work on the cores slows every row. Not a test; about 5-10 minutes.
+machine's load average and CPU steal time: other work on the cores, or other guests of a VM's
+host, slow every row. Not a test; about 5-10 minutes on an idle machine.
 
     .venv/bin/python -m bench.native_engine [--max-tokens 64] [--batches 1,4,16] [--shapes off,chain4]
         [--dataset humaneval|sharegpt]
@@ -111,6 +112,23 @@ def streamed_weight_bytes(model) -> int:
     if model.lm_head.weight.data_ptr() == embedding.data_ptr():
         total += embedding.numel() * embedding.element_size()
     return total
+
+
+def cpu_times() -> list[int]:
+    """The machine's cumulative CPU time counters (/proc/stat's `cpu` line; [] where absent)."""
+    try:
+        return [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return []
+
+
+def steal_fraction(start: list[int], end: list[int]) -> float | None:
+    """Share of CPU time the hypervisor gave to other guests between two cpu_times() (field 8:
+    steal). A shared cloud VM's neighbours slow every row; this says how much."""
+    if len(start) < 8 or len(end) < 8:
+        return None
+    delta = [b - a for a, b in zip(start, end)]
+    return delta[7] / sum(delta) if sum(delta) else None
 
 
 def _timed(fn) -> float:
@@ -228,7 +246,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    load_start = os.getloadavg()
+    load_start, cpu_start = os.getloadavg(), cpu_times()
     print(f"[bench] load average {load_start[0]:.1f} / {load_start[1]:.1f} / {load_start[2]:.1f} "
           f"on {os.cpu_count()} cores", flush=True)
 
@@ -282,6 +300,9 @@ def main() -> None:
             print(f"[bench] batch {batch:2d} off after vLLM {r['decode_tokens_per_s']:7.1f} tok/s "
                   f"(e2e {r['e2e_tokens_per_s']:5.1f})", flush=True)
 
+    steal = steal_fraction(cpu_start, cpu_times())
+    if steal is not None:
+        print(f"[bench] CPU steal time during the run: {100 * steal:.0f}% (other guests of this VM's host)", flush=True)
     summary = summarize(results, batches, weight_bytes, bandwidth)
     for s in summary["same_budget"]:
         s["bound"] = same_budget_bound([r for r in all_steps if r["bench_batch"] == s["batch"]
@@ -297,6 +318,7 @@ def main() -> None:
         "dataset": args.dataset, "prompts": prompt_source, "max_tokens": args.max_tokens, "drafter": drafter,
         "command": " ".join(sys.argv[1:]), "cores": os.cpu_count(),
         "load_average": {"start": load_start, "after_native": load_native, "end": os.getloadavg()},
+        "cpu_steal_fraction": steal,
         "weight_bytes": weight_bytes, "copy_bandwidth_gbs": bandwidth, "results": results, "summary": summary,
         "vllm": vllm, "time": time.time(),
     }

@@ -80,3 +80,13 @@ def test_same_budget_bound_from_measured_rank_rates():
     assert math.isclose(bound["chain_length"], 1.75) and math.isclose(bound["best_tree_length"], 2.0)
     assert math.isclose(bound["ratio"], 2.0 / 1.75) and sorted(bound["best_tree_parents"]) == [-1, -1, 0]
     assert same_budget_bound([], budget=4) is None
+
+
+def test_steal_fraction_from_cpu_counters():
+    from bench.native_engine import cpu_times, steal_fraction
+
+    # user nice system idle iowait irq softirq steal
+    assert steal_fraction([0] * 8, [10, 0, 10, 20, 0, 0, 0, 60]) == 0.6
+    assert steal_fraction([], [1] * 8) is None
+    now = cpu_times()
+    assert len(now) >= 8 and steal_fraction(now, now) is None  # nothing elapsed
