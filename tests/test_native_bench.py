@@ -90,3 +90,37 @@ def test_steal_fraction_from_cpu_counters():
     assert steal_fraction([], [1] * 8) is None
     now = cpu_times()
     assert len(now) >= 8 and steal_fraction(now, now) is None  # nothing elapsed
+
+
+def test_tree_step_time_inputs_and_a_tiny_run(tmp_path):
+    import json
+
+    from bench.tree_step_time import balanced_parents, main, table, verify_inputs
+
+    assert balanced_parents(5) == [-1, -1, 0, 0, 1]
+    tokens, positions, write, mask = verify_inputs(batch=2, nodes=3, context=10, vocab=50, device="cpu")
+    assert tokens.shape == positions.shape == write.shape == (2, 4)
+    assert positions[0].tolist() == [10, 11, 11, 12] and write[0].tolist() == [10, 11, 12, 13]
+    m = mask[0, 0]  # [4 queries, 14 keys]: the prefix, then root and nodes
+    assert m[:, :10].all()
+    assert m[3, 10:].tolist() == [True, True, False, True]  # node 3 (parent node 1) sees root, node 1, itself
+    assert m[2, 10:].tolist() == [True, False, True, False]  # node 2 (parent root) does not see its sibling
+
+    main(["--models", "tiny", "--device", "cpu", "--batches", "1,2", "--nodes", "0,3", "--repeats", "2",
+          "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "result.json").read_text())
+    assert [(r["batch"], r["tree_nodes"]) for r in report["rows"]] == [(1, 0), (1, 3), (2, 0), (2, 3)]
+    assert all(r["step_ms"] > 0 for r in report["rows"]) and report["dtype"] == "float32"
+    assert "| 2 |" in table(report["rows"], "tiny")
+
+
+def test_speculation_is_compared_with_the_faster_off_run():
+    from bench.native_engine import summarize
+
+    row = lambda shape, tps, ms: {"batch": 1, "shape": shape, "decode_tokens_per_s": tps,  # noqa: E731
+                                  "median_step_ms": ms, "mean_accepted_length": 1.0}
+    results = [row("off", 12.0, 80.0), row("tree@4", 30.0, 60.0), row("off (after vLLM)", 20.0, 50.0)]
+    summary = summarize(results, (1,), weight_bytes=25_000_000, bandwidth=1.0)
+    assert summary["best"][1]["off"] == 20.0 and summary["best"][1]["best_tree"] == "tree@4"
+    assert math.isclose(summary["roofline"]["measured_batch1_step_ms"], 50.0)
+    assert math.isclose(summary["roofline"]["fraction"], 25.0 / 50.0)  # 25 MB at 1 GB/s = 25 ms
