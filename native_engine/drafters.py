@@ -24,7 +24,7 @@ import torch
 
 from native_engine.kv_cache import KVCache
 from native_engine.model import Transformer
-from native_engine.tree import DraftTree, TreeShape, attention_mask, prune_best_first
+from native_engine.tree import DraftTree, TreeShape, attention_mask, best_nodes, prune_best_first
 
 
 class Drafter(Protocol):
@@ -153,8 +153,15 @@ class DraftModelDrafter:
                     row += 1
                 new_frontier.append(nodes)
             frontier = new_frontier
-            if d + 1 < shape.depth:
-                logprobs = self._expand(trees, frontier, lengths)
+            if shape.budget is not None:
+                # A node outside the best `budget` so far stays out (its descendants score no
+                # more and come later), so only those inside are expanded (EAGLE-2's
+                # reranking): the same tree as expanding everything, in fewer, smaller passes.
+                kept = [set(best_nodes(t, shape.budget)) for t in trees]
+                frontier = [[n for n in nodes if n in keep] for nodes, keep in zip(frontier, kept)]
+            if d + 1 == shape.depth or not any(frontier):
+                break
+            logprobs = self._expand(trees, frontier, lengths)
         for t in trees:
             t.scores = [math.exp(s) for s in t.scores]
         if shape.budget is not None:

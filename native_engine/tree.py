@@ -79,6 +79,11 @@ class DraftTree:
         return out
 
 
+def best_nodes(tree: DraftTree, budget: int) -> list[int]:
+    """The `budget` nodes with the highest score (ties: earlier node first), in node order."""
+    return sorted(sorted(range(len(tree)), key=lambda i: (-tree.scores[i], i))[:budget])
+
+
 def prune_best_first(tree: DraftTree, budget: int) -> DraftTree:
     """Keep the `budget` nodes with the highest path probability (ties: earlier node first).
 
@@ -86,7 +91,7 @@ def prune_best_first(tree: DraftTree, budget: int) -> DraftTree:
     always contains each kept node's ancestors."""
     if len(tree) <= budget:
         return tree
-    keep = sorted(sorted(range(len(tree)), key=lambda i: (-tree.scores[i], i))[:budget])
+    keep = best_nodes(tree, budget)
     new_index = {old: new for new, old in enumerate(keep)}
     return DraftTree(
         tokens=[tree.tokens[i] for i in keep],

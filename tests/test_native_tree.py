@@ -9,8 +9,10 @@ from scipy.stats import chisquare
 
 from adaspec.policy import SpecConfig
 from controller.acceptance import ranks_and_depths
-from native_engine.drafters import NgramDrafter
+from native_engine.drafters import DraftModelDrafter, NgramDrafter
+from native_engine.model import build_model
 from native_engine.stats import AcceptanceCounts
+from native_engine.testing import tiny_args
 from native_engine.tree import (
     DraftTree,
     TreeShape,
@@ -192,3 +194,16 @@ def test_acceptance_counts_follow_the_controller_convention():
     assert counts.num_drafts == 1
     assert counts.reached == [[2, 2], [1, 1]] and counts.accepted == [[0, 1], [0, 1]]
     assert counts.drafted_per_pos == [1, 1] and counts.accepted_per_pos == [1, 1]
+
+
+def test_budgeted_expansion_gives_the_tree_of_expanding_everything_then_pruning():
+    draft = build_model(tiny_args(vocab_size=48), seed=3, init_std=0.2)
+    contexts = [[1, 5, 9, 2, 7], [3, 3, 8]]
+    shape = TreeShape(widths=(4, 2, 2, 1, 1, 1), budget=5)
+    full = DraftModelDrafter(draft, 2, 64).propose(contexts, TreeShape(widths=shape.widths))
+    budgeted = DraftModelDrafter(draft, 2, 64).propose(contexts, shape)
+    for whole, got in zip(full, budgeted):
+        want = prune_best_first(whole, 5)
+        assert (got.tokens, got.parents) == (want.tokens, want.parents)
+        assert got.scores == pytest.approx(want.scores)
+        assert len(got) == 5 and len(whole) == 4 + 8 + 16 * 4
