@@ -3,14 +3,17 @@ SmolLM2-135M) starts once per test session and is shared by every slow test modu
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
 from adaspec.policy import SpecPolicy
-from tests.serve_process import REPO, ServeProcess, live_engine_processes
+from tests.serve_process import REPO, ServeProcess, live_engine_processes, session_processes
 
 MODEL = "smollm2-135m-instruct"
 URL = "http://127.0.0.1:8000"  # configs/app.yaml's http_options
@@ -30,6 +33,29 @@ def one_torch_thread():
 def _port_in_use(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@contextlib.contextmanager
+def app_in_own_cluster(config: str, port: int, workdir: Path, label: str) -> Iterator[ServeProcess]:
+    """`serve run configs/<config>` in a local Ray cluster of its own (RAY_ADDRESS=local), so it
+    can run beside the default app, with a fresh controller checkpoint; stopped afterwards with
+    every process it started."""
+    if _port_in_use(port):
+        pytest.fail(f"port {port} is in use; stop the other server first")
+    log = workdir / "serve.log"
+    proc = ServeProcess(REPO / "configs" / config, f"http://127.0.0.1:{port}", log,
+                        env={"RAY_ADDRESS": "local", "ADASPEC_CONTROLLER_DIR": str(workdir / "controller")})
+    proc.start()
+    try:
+        ready_s = proc.wait_ready(MODEL, timeout_s=900)
+    except BaseException:
+        proc.stop()
+        raise
+    print(f"\n[{label}] ready {ready_s:.0f} s after `serve run` (log: {log})")
+    yield proc
+    proc.stop()
+    left = session_processes(proc.proc.pid)
+    assert not left, f"processes of `serve run` left behind: {left}"
 
 
 @pytest.fixture(scope="session")

@@ -20,9 +20,8 @@ import openai
 import pytest
 
 from adaspec.policy import SpecPolicy
-from tests.conftest import MODEL, _port_in_use
 from native_engine.requests import SamplingParams
-from tests.serve_process import REPO, ServeProcess, session_processes
+from tests.conftest import MODEL, app_in_own_cluster, replica_status, set_controller
 
 pytestmark = pytest.mark.slow
 
@@ -36,25 +35,8 @@ CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def tree_server(tmp_path_factory):
-    if _port_in_use(PORT):
-        pytest.fail(f"port {PORT} is in use; stop the other server first")
-    workdir = tmp_path_factory.mktemp("serve-tree")
-    log = workdir / "serve.log"
-    # RAY_ADDRESS=local: a Ray cluster of its own, whatever else runs on the machine; a
-    # fresh controller checkpoint, so nothing is resumed from a developer's own.
-    proc = ServeProcess(REPO / "configs" / "app-tree.yaml", URL, log,
-                        env={"RAY_ADDRESS": "local", "ADASPEC_CONTROLLER_DIR": str(workdir / "controller")})
-    proc.start()
-    try:
-        ready_s = proc.wait_ready(MODEL, timeout_s=600)
-    except BaseException:
-        proc.stop()
-        raise
-    print(f"\n[tree server] ready {ready_s:.0f} s after `serve run` (log: {log})")
-    yield proc
-    proc.stop()
-    left = session_processes(proc.proc.pid)
-    assert not left, f"processes of `serve run` left behind: {left}"
+    with app_in_own_cluster("app-tree.yaml", PORT, tmp_path_factory.mktemp("serve-tree"), "tree server") as proc:
+        yield proc
 
 
 @pytest.fixture
@@ -76,16 +58,8 @@ def reference_engine():
     torch.set_num_threads(threads)
 
 
-def _set_controller(client: httpx.Client, action: str) -> dict:
-    resp = client.post("/admin/controller", json={"action": action})
-    assert resp.status_code == 200, resp.text
-    return resp.json()
-
-
 def _status(client: httpx.Client) -> dict:
-    resp = client.get("/admin/status")
-    assert resp.status_code == 200, resp.text
-    (replica,) = resp.json()
+    (replica,) = replica_status(client)
     return replica
 
 
@@ -214,7 +188,7 @@ def test_controller_lists_the_native_replica(client):
 
 
 def test_tree_policy_applied_and_steps_count_tree_acceptance(client):
-    _set_controller(client, "pause")  # a manual policy; the controller would override it
+    set_controller(client, "pause")  # a manual policy; the controller would override it
     try:
         resp = client.post("/admin/policy", json={"table": TREE_TABLE})
         assert resp.status_code == 200, resp.text
@@ -234,11 +208,11 @@ def test_tree_policy_applied_and_steps_count_tree_acceptance(client):
         assert reached > 0 and accepted > 0, (reached, accepted)
         assert all(len(s["reached_per_depth_rank"]) == 3 for s in steps if s["num_decode_reqs"])
     finally:
-        _set_controller(client, "resume")
+        set_controller(client, "resume")
 
 
 def test_impossible_tree_is_rejected_with_the_reason(client):
-    _set_controller(client, "pause")
+    set_controller(client, "pause")
     try:
         before = _status(client)["policy"]
         (ack,) = client.post("/admin/policy", json={"table": "1+:tree8x8x8"}).json()
@@ -247,7 +221,7 @@ def test_impossible_tree_is_rejected_with_the_reason(client):
         assert ack["status"] == "rejected" and ack["message"], ack
         assert _status(client)["policy"] == before
     finally:
-        _set_controller(client, "resume")
+        set_controller(client, "resume")
 
 
 def test_cli_status_and_policy_set(tree_server):
