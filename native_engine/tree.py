@@ -43,6 +43,17 @@ class TreeShape:
         return SpecConfig(widths=self.widths).num_nodes
 
     @property
+    def expanded_nodes(self) -> int:
+        """Most nodes a drafter creates for this shape: with a budget, only nodes still among
+        the best `budget` get children, so a level has at most budget x width nodes."""
+        total, level = 0, 1
+        for width in self.widths:
+            parents = level if self.budget is None else min(level, self.budget)
+            level = parents * width
+            total += level
+        return total
+
+    @property
     def max_nodes(self) -> int:
         """Most nodes a drafter may return for this shape (tokens verified besides the root)."""
         return self.full_nodes if self.budget is None else min(self.budget, self.full_nodes)

@@ -76,6 +76,9 @@ def test_best_first_pruning_keeps_a_subtree_of_the_most_likely_paths():
     assert prune_best_first(tree, 10) is tree
     shape = TreeShape.from_config(SpecConfig.parse("tree4x2x2x1"), budget=12)
     assert (shape.max_nodes, shape.full_nodes, str(shape)) == (12, 44, "tree4x2x2x1@12")
+    # Levels of 4, 8, 16, 16 nodes in full; best-first gives children to at most 12 nodes of
+    # a level, so the last has at most 12.
+    assert (shape.expanded_nodes, TreeShape((4, 2, 2, 1)).expanded_nodes) == (40, 44)
 
 
 # ----------------------------------------------------------------------------------- verify
