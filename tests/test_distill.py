@@ -17,7 +17,7 @@ import torch
 from adaspec.distill import DistillError
 from adaspec.policy import SpecPolicy
 from adaspec.distill.draft import DRAFT_MARKER, DraftShape, check_compatible, new_draft
-from adaspec.distill.evaluate import evaluate, greedy_stats, heldout_sequences, sampled_stats
+from adaspec.distill.evaluate import evaluate, heldout_sequences, replay_stats
 from adaspec.distill.pipeline import DistillRequest, check_tokenizer, distill
 from adaspec.distill.teacher import TeacherSettings, prompt_ids
 from adaspec.distill.train import TrainSettings
@@ -180,20 +180,23 @@ def test_cli_names_the_flag(tmp_path, capsys):
 
 
 def test_acceptance_statistics_by_hand():
-    # matches along one greedy path: accepted runs from each start position
-    m = torch.tensor([1, 1, 0, 1, 0, 0], dtype=torch.bool)
-    acc, lengths = greedy_stats([m])
-    assert acc[0] == pytest.approx(3 / 6)  # position 1: 3 of 6 starts match
-    assert acc[1] == pytest.approx(1 / 3)  # position 2: of the starts t=0,1,3 that matched, only t=0 goes on
+    # matches along one greedy path; speculative decoding with k=8 takes steps at t=0 (accepts
+    # 2, rejects the 3rd), t=3 (accepts 1, rejects the 2nd), t=5 (rejects the 1st)
+    m = torch.tensor([1, 1, 0, 1, 0, 0], dtype=torch.double)
+    acc, lengths = replay_stats([m])
+    assert acc[0] == pytest.approx(2 / 3)  # position 1: 3 steps, 2 accepted
+    assert acc[1] == pytest.approx(1 / 2)  # position 2: reached by 2 steps (t=0, t=3), accepted by t=0
     assert acc[2] == 0.0  # position 3: reached once (t=0), rejected
-    assert acc[3] is None  # position 4: no chain got there, so no data (not 0)
+    assert acc[3] is None  # position 4: no step got there, so no data (not 0)
     # k=1 replay: t=0 accepts 1 (+ bonus), t=2 rejects, t=3 accepts 1, t=5 rejects: 6 tokens in 4 steps
     assert lengths[1] == pytest.approx((2 + 1 + 2 + 1) / 4)
     assert lengths[8] == pytest.approx((3 + 2 + 1) / 3)  # t=0 run 2, t=3 run 1, t=5 run 0
-    acc1, len1 = sampled_stats([torch.full((50,), 0.5)])
+    # Sampling: every token accepted with probability 0.5, so each position's rate is 0.5 and a
+    # step gains 1 + 0.5 + 0.25 + ... tokens (short steps at the path's end pull it down a little).
+    acc1, len1 = replay_stats([torch.full((4000,), 0.5)])
     assert acc1[0] == pytest.approx(0.5) and acc1[3] == pytest.approx(0.5)
-    assert len1[4] == pytest.approx(1 + 0.5 + 0.25 + 0.125 + 0.0625)
-    acc2, len2 = sampled_stats([torch.full((2,), 0.5)])  # a 2-token sequence: positions 3.. unreached
+    assert len1[4] == pytest.approx(1 + 0.5 + 0.25 + 0.125 + 0.0625, rel=1e-3)
+    acc2, len2 = replay_stats([torch.full((2,), 0.5)])  # a 2-token path: positions 3.. unreached
     assert acc2[2] is None and len2[8] == pytest.approx(len2[2])
 
 

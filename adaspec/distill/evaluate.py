@@ -8,12 +8,15 @@ target's bonus token included: E(k) = 1 + sum_{i<=k} prod_{j<=i} p_j.
 Measured on held-out prompts the target continues itself (`max_new_tokens` each):
 - T=0 (greedy): exact. The draft's greedy proposal after an accepted prefix equals its
   teacher-forced argmax along the target's greedy path, so one draft pass over that path
-  gives every chain's outcome: position t matches when argmax q(. | x<=t) = x_{t+1}. E(k) is
-  then counted by replaying greedy speculative decoding from the first generated token.
+  gives every chain's outcome: position t matches when argmax q(. | x<=t) = x_{t+1}.
+  Acceptance per position and E(k) then come from replaying speculative decoding from the
+  first generated token (`replay_stats`): per position over the steps decoding takes, as an
+  engine's telemetry counts it (vLLM's per-position acceptance, adaspec's StepRecord).
 - T=1 (sampling, Leviathan et al. 2023): a draft token is accepted with probability
   alpha_t = sum_x min(p_t(x), q_t(x)). Measured along the target's own T=1 samples, summing
   over the target's top-k tokens only (a lower bound; the top 32 hold nearly all the mass).
   Approximation: after an acceptance the context is the target's sample, not the draft's.
+  The same replay, in expectation over the accept/reject outcomes.
 - Cost ratio: milliseconds of one decode forward at batch 1 (KV cache, ~256 tokens of
   context) for the draft over the target, same code (native_engine.model), same dtype,
   interleaved so load on the machine hits both alike.
@@ -79,58 +82,46 @@ def format_rate(value: float | None, width: int = 0) -> str:
     return f"{value:{width}.3f}" if value is not None else "-".rjust(width)
 
 
-def _conditional(reach: list[torch.Tensor], accept: list[torch.Tensor]) -> list[float | None]:
-    """accept / reach per position; None where no chain reached the position (no data)."""
-    return [float(a.sum() / r.sum()) if float(r.sum()) > 0 else None for r, a in zip(reach, accept)]
+def replay_stats(accept_probs: list[torch.Tensor]) -> tuple[list[float | None], dict[int, float]]:
+    """Speculative decoding replayed along each path, in expectation (exact for greedy).
 
-
-def greedy_stats(matches: list[torch.Tensor]) -> tuple[list[float], dict[int, float]]:
-    """matches[s][t]: draft argmax equals the target's next token at generated position t."""
-    reach = [torch.zeros(()) for _ in range(MAX_POSITION)]
-    accept = [torch.zeros(()) for _ in range(MAX_POSITION)]
-    for m in matches:
-        m = m.float()
-        n = len(m)
-        run = torch.ones(n)  # all of m[t..t+i-2] matched
-        for i in range(MAX_POSITION):
-            if i >= n:
-                break
-            reach[i] = reach[i] + run[: n - i].sum()
-            hit = run[: n - i] * m[i:]
-            accept[i] = accept[i] + hit.sum()
-            run = hit
+    accept_probs[s][t]: probability that a draft token proposed for generated position t is
+    accepted (greedy: 1.0 on a match, else 0.0). A step starts at t, verifies up to k draft
+    tokens, gains the accepted run plus the target's bonus token, and the next step starts
+    after them. Returns the conditional acceptance per position 1..MAX_POSITION over the steps
+    of k = MAX_POSITION (None where no step reached a position), and E(k) = tokens / steps
+    for k = 1..MAX_POSITION. Steps start where a chain just ended, often at a hard token, so
+    these rates are lower than matches counted from every position."""
+    reach, accept = [0.0] * MAX_POSITION, [0.0] * MAX_POSITION
     lengths = {}
     for k in range(1, MAX_POSITION + 1):
-        tokens = steps = 0
-        for m in matches:
-            ml, t = m.tolist(), 0
-            while t < len(ml):
-                run = 0
-                while run < k and t + run < len(ml) and ml[t + run]:
-                    run += 1
-                steps, tokens, t = steps + 1, tokens + run + 1, t + run + 1
-        lengths[k] = tokens / max(steps, 1)
-    return _conditional(reach, accept), lengths
-
-
-def sampled_stats(alphas: list[torch.Tensor]) -> tuple[list[float], dict[int, float]]:
-    """alphas[s][t]: acceptance probability of a sampled draft token at generated position t."""
-    reach = [torch.zeros(()) for _ in range(MAX_POSITION)]
-    accept = [torch.zeros(()) for _ in range(MAX_POSITION)]
-    for a in alphas:
-        n = len(a)
-        run = torch.ones(n)
-        for i in range(min(MAX_POSITION, n)):
-            reach[i] = reach[i] + run[: n - i].sum()
-            run = run[: n - i] * a[i:]
-            accept[i] = accept[i] + run.sum()
-    p = _conditional(reach, accept)
-    lengths, prod, total = {}, 1.0, 1.0
-    for k in range(1, MAX_POSITION + 1):
-        prod *= p[k - 1] or 0.0  # unreached: nothing accepted there
-        total += prod
-        lengths[k] = total
-    return p, lengths
+        tokens = steps = 0.0
+        for a in accept_probs:
+            a = a.double().tolist()
+            n = len(a)
+            start = [0.0] * (n + k + 2)  # [t] probability that a step starts at t
+            start[0] = 1.0
+            for t in range(n):
+                w = start[t]
+                if w == 0.0:
+                    continue
+                steps += w
+                prod = 1.0  # P(draft tokens t .. t+i-1 all accepted)
+                for i in range(min(k, n - t)):
+                    if k == MAX_POSITION:
+                        reach[i] += w * prod
+                    rejected = prod * (1.0 - a[t + i])
+                    tokens += w * rejected * (i + 1)
+                    start[t + i + 1] += w * rejected
+                    prod *= a[t + i]
+                    if k == MAX_POSITION:
+                        accept[i] += w * prod
+                run = min(k, n - t)  # every verified token accepted
+                tokens += w * prod * (run + 1)
+                start[t + run + 1] += w * prod
+        lengths[k] = tokens / steps if steps else 1.0
+    rates = [acc / r if r > 0 else None for r, acc in zip(reach, accept)]
+    return rates, lengths
 
 
 @torch.no_grad()
@@ -200,7 +191,7 @@ def evaluate(target: Transformer, draft: Transformer, t0: list[TeacherSequence],
         ids = seq.topk_ids[start:].long()
         p = seq.topk_logprobs[start:].float().exp()
         alphas.append(torch.minimum(p, q.gather(1, ids)).sum(-1))
-    acc0, len0 = greedy_stats(matches)
-    acc1, len1 = sampled_stats(alphas)
+    acc0, len0 = replay_stats([m.double() for m in matches])
+    acc1, len1 = replay_stats(alphas)
     draft_ms, target_ms = step_ms(target, draft) if measure_cost else (float("nan"), 1.0)
     return DraftEval(dataset, len(t0), generated, acc0, acc1, len0, len1, draft_ms, target_ms)
