@@ -402,8 +402,8 @@ def goal_checks(summary: dict) -> list[dict]:
 
 
 def same_budget_bound(tree_steps: list[dict], budget: int, max_depth: int = 8) -> dict | None:
-    """What the drafter's measured acceptance allows at a node budget: the best tree
-    (Sequoia's dynamic program, controller.acceptance.best_tree) against the chain of the same
+    """What Sequoia's model predicts at a node budget (the JSON key says "bound"): the best tree
+    (its dynamic program, controller.acceptance.best_tree) against the chain of the same
     budget, both from the conditional rate per (depth, sibling rank) the tree runs measured.
     Ranks the runs never drafted count as rejected. The model takes acceptances as independent
     given (depth, rank); a drafter's real hits cluster, so measured trees can beat it a little."""

@@ -86,18 +86,18 @@ def replay_stats(accept_probs: list[torch.Tensor]) -> tuple[list[float | None], 
     """Speculative decoding replayed along each path, in expectation (exact for greedy).
 
     accept_probs[s][t]: probability that a draft token proposed for generated position t is
-    accepted (greedy: 1.0 on a match, else 0.0). A step starts at t, verifies up to k draft
+    accepted (greedy: a bool tensor, True on a match). A step starts at t, verifies up to k draft
     tokens, gains the accepted run plus the target's bonus token, and the next step starts
     after them. Returns the conditional acceptance per position 1..MAX_POSITION over the steps
     of k = MAX_POSITION (None where no step reached a position), and E(k) = tokens / steps
     for k = 1..MAX_POSITION. Steps start where a chain just ended, often at a hard token, so
     these rates are lower than matches counted from every position."""
+    paths = [a.double().tolist() for a in accept_probs]
     reach, accept = [0.0] * MAX_POSITION, [0.0] * MAX_POSITION
     lengths = {}
     for k in range(1, MAX_POSITION + 1):
         tokens = steps = 0.0
-        for a in accept_probs:
-            a = a.double().tolist()
+        for a in paths:
             n = len(a)
             start = [0.0] * (n + k + 2)  # [t] probability that a step starts at t
             start[0] = 1.0
@@ -191,7 +191,7 @@ def evaluate(target: Transformer, draft: Transformer, t0: list[TeacherSequence],
         ids = seq.topk_ids[start:].long()
         p = seq.topk_logprobs[start:].float().exp()
         alphas.append(torch.minimum(p, q.gather(1, ids)).sum(-1))
-    acc0, len0 = replay_stats([m.double() for m in matches])
+    acc0, len0 = replay_stats(matches)
     acc1, len1 = replay_stats(alphas)
     draft_ms, target_ms = step_ms(target, draft) if measure_cost else (float("nan"), 1.0)
     return DraftEval(dataset, len(t0), generated, acc0, acc1, len0, len1, draft_ms, target_ms)
