@@ -6,8 +6,9 @@ from __future__ import annotations
 import contextlib
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import pytest
@@ -94,6 +95,26 @@ def client(server):
 def pytest_collection_modifyitems(items):
     """Tests marked `last` (they kill a replica) run after every other test."""
     items.sort(key=lambda item: item.get_closest_marker("last") is not None)
+
+
+T = TypeVar("T")
+
+
+def wait_until(probe: Callable[[], T], what: str, timeout_s: float = 120.0, interval_s: float = 0.25) -> T:
+    """Call `probe` until it returns a truthy value and return that value; fail the test with
+    `what` (the condition that did not happen) and the last value seen after `timeout_s`.
+
+    Real-stack tests wait for conditions, never for a fixed time: how long an engine step
+    takes depends on the machine and on what else runs on it. `timeout_s` is a deadline for a
+    condition that should hold, sized for a loaded 2-core machine, not a guess at speed."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not seen within {timeout_s:.0f} s (last probe: {value!r})")
+        time.sleep(interval_s)
 
 
 def set_controller(client: httpx.Client, action: str) -> dict:

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import MODEL, app_in_own_cluster, push_policy, replica_status, set_controller
+from tests.conftest import MODEL, app_in_own_cluster, push_policy, replica_status, set_controller, wait_until
 from tests.serve_process import ServeProcess
 from tests.test_serve_app import _counter
 
@@ -76,12 +76,11 @@ def test_draft_model_drafts_every_step_and_is_accepted(draft_server, client):
     assert seen_drafted >= 40, f"telemetry: only {seen_drafted} draft tokens for {out_tokens} output tokens"
     assert seen_accepted >= 1, f"telemetry: none of {seen_drafted} draft tokens accepted"
     # vLLM's own Prometheus counters, exported every 10 s: wait until they have caught up.
-    deadline = time.monotonic() + 45
-    while True:
-        drafted, accepted = (c - c0 for c, c0 in zip(_counters(draft_server), (drafted0, accepted0)))
-        if drafted >= seen_drafted or time.monotonic() > deadline:
-            break
-        time.sleep(2)
+    def caught_up() -> tuple[float, float] | None:
+        delta = tuple(c - c0 for c, c0 in zip(_counters(draft_server), (drafted0, accepted0)))
+        return delta if delta[0] >= seen_drafted else None
+
+    drafted, accepted = wait_until(caught_up, f"vLLM's draft-token counter reaching the telemetry's {seen_drafted}")
     # The telemetry the controller learns from counts what vLLM counts.
     assert (drafted, accepted) == (seen_drafted, seen_accepted)
     print(f"\n[draft server] chain4, {out_tokens} tokens: telemetry {seen_drafted} drafted, {seen_accepted} "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -14,8 +15,8 @@ import ray
 
 from adaspec.admin_client import format_controller
 from adaspec.policy import SpecConfig
-from controller.actor import NAMESPACE, get_controller
-from tests.conftest import MODEL, URL, replica_status, set_controller
+from controller.actor import CHECKPOINT_FILE, NAMESPACE, get_controller
+from tests.conftest import MODEL, URL, replica_status, set_controller, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -74,34 +75,38 @@ def ray_client(server):
 
 def test_controller_view_is_served(client):
     set_controller(client, "resume")
-    time.sleep(3)
-    view = client.get("/admin/controller").json()
-    assert not view["paused"]
+
+    def reported() -> dict | None:
+        view = client.get("/admin/controller").json()
+        fresh = [r for r in view["replicas"] if r["seconds_since_report"] < 5]
+        return view if not view["paused"] and fresh and MODEL in view["step_time_models"] else None
+
+    view = wait_until(reported, "the resumed controller listing a replica that reported within 5 s", timeout_s=60)
     (replica,) = view["replicas"]
-    assert replica["model_id"] == MODEL and replica["seconds_since_report"] < 5
-    assert MODEL in view["step_time_models"]
+    assert replica["model_id"] == MODEL
 
 
 def _settle(client, accept, batch_lo: int, batch_hi: int, timeout_s: float) -> tuple[float, float]:
     """Poll the median k of the last 10 s of steps at these batch sizes until `accept(k)`;
-    returns (median k, seconds it took). Gives up after timeout_s with the last median."""
-    start = time.time()
+    returns (median k, seconds it took). Gives up after timeout_s with the last median (the
+    caller asserts on it, so a failure prints every phase's result)."""
+    start = time.monotonic()
     k = float("nan")
-    while time.time() - start < timeout_s:
-        time.sleep(5)
+    while time.monotonic() - start < timeout_s:
+        time.sleep(2)
         depths = _depths(client, time.time() - 10, batch_lo, batch_hi)
         if len(depths) >= 5:
             k = statistics.median(depths)
             if accept(k):
                 break
-    return k, time.time() - start
+    return k, time.monotonic() - start
 
 
 def test_k_follows_the_load(client):
-    """The controller starts knowing nothing of this replica's acceptance; it must
-    speculate for one stream (it is given 120 s to find k >= 2, the usual answer here; on
-    a loaded machine k = 1 can be the right one), cut k at a large batch, and raise it
-    again when load falls."""
+    """The controller starts knowing nothing of this replica's acceptance; it must speculate
+    for one stream (k >= 1: it is given 120 s to reach k >= 2, the usual answer here, but on a
+    loaded machine k = 1 can be the right one), cut k below that at a large batch, and raise
+    it again when load falls."""
     set_controller(client, "resume")
     with Load(1):
         k_low, t_low = _settle(client, lambda k: k >= 2, 1, 1, timeout_s=120)
@@ -111,7 +116,7 @@ def test_k_follows_the_load(client):
         k_again, t_again = _settle(client, lambda k: k > k_busy, 1, 1, timeout_s=120)
     print(f"\nmedian k (settled after): single stream {k_low} ({t_low:.0f} s), "
           f"burst {k_busy} ({t_busy:.0f} s), single stream again {k_again} ({t_again:.0f} s)")
-    assert k_low >= 1, "speculation did not pay for a single stream?"
+    assert k_low >= 1, "the controller did not speculate for a single stream"
     assert k_busy < k_low, "k did not fall at a large batch"
     assert k_again > k_busy, "k did not rise again at low load"
     # Meanwhile the controller fitted request latency per config from finished requests.
@@ -123,24 +128,39 @@ def test_k_follows_the_load(client):
     print("\n" + format_controller(view))
 
 
-def test_controller_crash_loses_no_request_and_resumes_from_checkpoint(client, ray_client):
+def _view_or_none():
+    """The controller's view, or None while Ray restarts it."""
+    try:
+        return ray.get(get_controller().view.remote(), timeout=10)
+    except (ValueError, ray.exceptions.RayError):
+        return None
+
+
+def test_controller_crash_loses_no_request_and_resumes_from_checkpoint(server, client, ray_client):
     set_controller(client, "resume")
-    time.sleep(6)  # at least one checkpoint (every 5 periods)
+    checkpoint = Path(server.extra_env["ADASPEC_CONTROLLER_DIR"]) / CHECKPOINT_FILE
     before = ray.get(get_controller().view.remote())
     assert not before.restored_from_checkpoint  # the session started with no checkpoint
+    taken = time.time()
     with Load(4) as load:
-        time.sleep(4)
+        # Killed with requests in flight, after a checkpoint newer than `before`.
+        wait_until(lambda: load.ok >= 1 and checkpoint.is_file() and checkpoint.stat().st_mtime > taken,
+                   "a finished request and a controller checkpoint written after the first view")
         ray.kill(get_controller(), no_restart=False)  # Ray restarts it
-        time.sleep(15)
+        killed_at, ok_at_kill = time.time(), load.ok
+
+        def resumed_and_reported_to():
+            view = _view_or_none()
+            heard = view and [r for r in view.replicas if time.time() - r.seconds_since_report > killed_at]
+            return view if heard and view.restored_from_checkpoint else None
+
+        after = wait_until(resumed_and_reported_to,
+                           "the restarted controller, resumed from its checkpoint, hearing from the replica")
+        wait_until(lambda: load.ok > ok_at_kill, "a request finishing after the controller was killed")
     assert not load.failures, load.failures[:3]
-    assert load.ok > 0
-    after = ray.get(get_controller().view.remote(), timeout=30)
-    assert after.restored_from_checkpoint
-    assert after.decisions >= before.decisions - 10  # resumed, not reset (checkpoint lag)
+    assert after.decisions >= before.decisions  # resumed, not reset
     assert after.step_time_models[MODEL].samples >= before.step_time_models[MODEL].samples
-    # The replica kept serving and reports to the restarted controller.
-    (replica,) = after.replicas
-    assert replica.seconds_since_report < 5
+    assert len(after.replicas) == 1
 
 
 @pytest.mark.last
@@ -151,10 +171,5 @@ def test_dead_replica_is_dropped(client, ray_client):
                if a["name"].startswith("SERVE_REPLICA::") and f"#{rid}" in a["name"]]
     assert rid in [r.replica_id for r in ray.get(get_controller().view.remote()).replicas]
     ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        ids = [r.replica_id for r in ray.get(get_controller().view.remote()).replicas]
-        if rid not in ids:
-            break
-        time.sleep(1)
-    assert rid not in ids
+    wait_until(lambda: rid not in [r.replica_id for r in ray.get(get_controller().view.remote()).replicas],
+               f"the controller dropping killed replica {rid}", timeout_s=60)

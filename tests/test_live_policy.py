@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from adaspec.policy import SpecConfig, SpecPolicy
-from tests.conftest import MODEL, URL, complete, policy_of, push_policy, replica_status, set_controller
+from tests.conftest import (MODEL, URL, complete, policy_of, push_policy, replica_status, set_controller,
+                            wait_until)
 
 pytestmark = pytest.mark.slow
 
@@ -55,22 +56,36 @@ def _drafted_depth(step: dict) -> int:
     return sum(1 for n in step["drafted_per_pos"] if n > 0)
 
 
-def _run_concurrently(client, max_tokens: list[int], prompt: str = REPETITIVE) -> list[dict]:
-    results: list[dict] = [None] * len(max_tokens)
+class InFlight:
+    """One greedy `ignore_eos` completion sent from a thread; `.result` once it has returned."""
 
-    start = threading.Barrier(len(max_tokens))
+    def __init__(self, client, max_tokens: int, prompt: str = REPETITIVE):
+        self.result: dict | None = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(client, prompt, max_tokens))
+        self._thread.start()
 
-    def one(i: int, n: int) -> None:
-        start.wait()  # send together, so the engine admits them in (nearly) the same step
-        # ignore_eos: identical greedy sequences would otherwise all stop at the same EOS.
-        results[i] = complete(client, prompt, max_tokens=n, ignore_eos=True)
+    def _run(self, client, prompt: str, max_tokens: int) -> None:
+        try:
+            # ignore_eos: identical greedy sequences would otherwise all stop at the same EOS.
+            self.result = complete(client, prompt, max_tokens=max_tokens, ignore_eos=True)
+        except BaseException as e:  # surfaced by join()
+            self.error = e
 
-    threads = [threading.Thread(target=one, args=(i, n)) for i, n in enumerate(max_tokens)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return results
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def join(self) -> dict:
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
+
+def _running_in_engine(client, n: int) -> bool:
+    return replica_status(client)[0]["running"] >= n
 
 
 def test_chain4_steps_draft_four_tokens(client):
@@ -84,38 +99,41 @@ def test_chain4_steps_draft_four_tokens(client):
 
 def test_off_takes_effect_at_the_next_step_while_requests_flow(client):
     _applied_version(push_policy(client, "chain4"))
-    done: dict = {}
-
-    def long_request() -> None:
-        done["out"] = complete(client, REPETITIVE, max_tokens=160, ignore_eos=True)
-
-    worker = threading.Thread(target=long_request)
-    worker.start()
-    time.sleep(4)  # decoding under chain4
+    start = time.time()
+    # Under chain4 a step adds at most 5 tokens, and the switch below is pushed a few steps
+    # after the first drafting step: 256 tokens outlive the switch on any machine (checked).
+    request = InFlight(client, max_tokens=256)
+    wait_until(lambda: [s for s in _steps(client, since=start) if s["config"] == "chain4" and s["num_drafts"] > 0],
+               "a decode step of the request drafting under chain4")
     acks = push_policy(client, "off")
     returned_at = time.time()
     version = _applied_version(acks)
-    worker.join()
-    assert done["out"]["usage"]["completion_tokens"] == 160  # the request was not disturbed
+    assert request.running, "the request finished before the switch; it must be longer"
+    assert request.join()["usage"]["completion_tokens"] == 256  # the request was not disturbed
 
     after = _steps(client, since=returned_at)
-    assert len(after) >= 10, "requests stopped flowing after the switch"
+    # Still running when the switch returned, so the rest of its tokens came one per step.
+    assert len(after) >= 10, f"only {len(after)} steps after the switch"
     # Every step that started after apply_policy returned runs the new policy...
     assert {s["policy_version"] for s in after} == {version}
     assert {s["config"] for s in after} == {"off"}
     # ...and after the one step that verifies drafts made under chain4, nothing is drafted.
     assert all(s["num_drafts"] == 0 for s in after[1:])
-    before = [s for s in _steps(client) if s["time"] < returned_at and s["config"] == "chain4"]
-    assert any(s["num_drafts"] > 0 for s in before), "chain4 never drafted before the switch"
 
 
 def test_mixed_table_follows_the_running_batch_size(client):
     table = "1-1:chain4,2-2:chain2,3+:off"
     policy = SpecPolicy.parse(table)
     version = _applied_version(push_policy(client, table))
-    # Long enough that a request arriving a few steps late (the HTTP path on a busy 2-core
-    # machine) cannot flip which config ran most of the shortest request's steps.
-    _run_concurrently(client, [48, 96, 144])
+    # The shortest request joins two that the engine is already running, so it runs at batch 3
+    # (off: one token a step) from its first step. The two long ones add at most 3 tokens a step
+    # (chain2) until it arrives, so 192 tokens outlast its 48 steps even if it arrives many
+    # steps late.
+    long_ones = [InFlight(client, max_tokens=n) for n in (192, 288)]
+    wait_until(lambda: _running_in_engine(client, 2), "two long requests running in the engine")
+    short = InFlight(client, max_tokens=48)
+    for r in (short, *long_ones):
+        r.join()
     steps = _steps(client, version)
     assert len({s["batch_size"] for s in steps}) >= 2, "the batch size never changed"
     for s in steps:
@@ -127,10 +145,10 @@ def test_mixed_table_follows_the_running_batch_size(client):
     # shortest ran at batch 3 (off) throughout, the longest finished alone.
     since = min(s["time"] for s in steps) - 30
     records = {r["output_tokens"]: r for r in replica_status(client)[0]["requests"] if r["finish_time"] > since}
-    assert {48, 96, 144} <= set(records), records
+    assert {48, 192, 288} <= set(records), records
     assert records[48]["config"] == "off", records
-    assert records[48]["mean_batch"] > records[144]["mean_batch"]
-    assert all(records[n]["finish_time"] - records[n]["arrival_time"] > 0 for n in (48, 96, 144))
+    assert records[48]["mean_batch"] > records[288]["mean_batch"]
+    assert all(records[n]["finish_time"] - records[n]["arrival_time"] > 0 for n in (48, 192, 288))
 
 
 def test_invalid_policies_are_rejected_and_the_old_one_stays(client):
@@ -156,19 +174,18 @@ def _per_pos_counter(metrics: str, name: str) -> dict[int, float]:
     return out
 
 
-def _settled_counter(server, name: str, quiet_s: float = 12.0, timeout_s: float = 120.0) -> dict[int, float]:
+def _settled_counter(server, name: str, quiet_s: float = 12.0) -> dict[int, float]:
     """The counter once it has not moved for `quiet_s`: longer than Ray's metrics export
-    period (10 s by default), so no increment is still on its way to Prometheus."""
-    last, quiet_since = _per_pos_counter(server.metrics_text(), name), time.time()
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        time.sleep(2)
+    period (10 s by default), so no increment of an earlier test is still on its way."""
+    seen = {"value": _per_pos_counter(server.metrics_text(), name), "since": time.monotonic()}
+
+    def quiet() -> dict[int, float] | None:
         now = _per_pos_counter(server.metrics_text(), name)
-        if now != last:
-            last, quiet_since = now, time.time()
-        elif time.time() - quiet_since >= quiet_s:
-            break
-    return last
+        if now != seen["value"]:
+            seen.update(value=now, since=time.monotonic())
+        return now if time.monotonic() - seen["since"] >= quiet_s else None
+
+    return wait_until(quiet, f"{name} still for {quiet_s:.0f} s", interval_s=1.0)
 
 
 def test_acceptance_agrees_with_vllm_counters(server, client):
@@ -183,10 +200,16 @@ def test_acceptance_agrees_with_vllm_counters(server, client):
         for pos, n in enumerate(s["accepted_per_pos"]):
             ours[pos] = ours.get(pos, 0) + n
     assert sum(ours.values()) > 0, "nothing was accepted; the check would be empty"
-    after = _settled_counter(server, name)
-    theirs = {p: int(after.get(p, 0) - before.get(p, 0)) for p in set(after) | set(ours)}
-    theirs = {p: n for p, n in theirs.items() if n or p in ours}
-    assert theirs == ours, f"vLLM counted {theirs}, adaspec telemetry {ours}"
+
+    def theirs() -> dict[int, int]:
+        after = _per_pos_counter(server.metrics_text(), name)
+        delta = {p: int(after.get(p, 0) - before.get(p, 0)) for p in set(after) | set(ours)}
+        return {p: n for p, n in delta.items() if n or p in ours}
+
+    # Ray exports vLLM's counters periodically: wait until they have caught up with ours.
+    wait_until(lambda: sum(theirs().values()) >= sum(ours.values()),
+               f"vLLM's accepted-token counters reaching adaspec's {sum(ours.values())}")
+    assert theirs() == ours, f"vLLM counted {theirs()}, adaspec telemetry {ours}"
 
 
 def test_greedy_output_is_identical_under_every_policy(client):
@@ -226,13 +249,13 @@ def test_prometheus_exports_adaspec_metrics(server, client):
     _applied_version(push_policy(client, "chain3"))
     complete(client, REPETITIVE, max_tokens=32)
     pattern = re.compile(r"^ray_adaspec_spec_k{[^}]*} (\S+)$", re.M)
-    for _ in range(30):
+
+    def exported_k3() -> str | None:
         text = server.metrics_text()
         m = pattern.search(text)
-        if m and float(m.group(1)) == 3.0:
-            break
-        time.sleep(1)
-    assert m and float(m.group(1)) == 3.0
+        return text if m and float(m.group(1)) == 3.0 else None
+
+    text = wait_until(exported_k3, "ray_adaspec_spec_k exported as 3 (Ray exports metrics periodically)")
     assert re.search(r"^ray_adaspec_step_seconds_count{[^}]*} [1-9]", text, re.M)
     assert "ray_adaspec_mean_accepted_length" in text
     assert "ray_adaspec_acceptance_rate" in text
