@@ -1,7 +1,9 @@
 """adaspec: adaptive speculative decoding for LLM serving on Ray Serve.
 
-This package holds what every part shares and imports without Ray or vLLM: the policy and
-telemetry types that cross process boundaries, the embedded model registry, and the CLI.
+This package is the bottom layer: what every other part shares, importable without Ray or
+vLLM and importing no other adaspec package - the policy and telemetry types that cross
+process boundaries, the engine contract, the embedded model registry and the datasets that
+ship as wheels. tests/test_layers.py keeps it that way.
 """
 
 __version__ = "0.1.0"

@@ -11,16 +11,21 @@ Terms
 The text syntax (CLI and config files): `1-2:chain4,3-8:chain2,9+:off`; `lo-hi` is an
 inclusive range, `lo+` is open-ended. The table is compiled once into a dense list indexed
 by batch size (as vLLM does for `num_speculative_tokens_per_batch_size`) so the hot path
-is one list lookup.
+is one list lookup; `SpecPolicy.from_table` is the way back.
+
+In Python a config is a value (`SpecConfig`, compared with ==, hashable); on the wire (JSON:
+telemetry, policies, checkpoints) it is its text, `chain4`, which is how every reader and
+log line names it and costs a cached lookup to read back.
 """
 
 from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Sequence
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 # An open-ended range ends here; larger than any engine's max_num_seqs.
 OPEN_END = 1 << 20
@@ -55,9 +60,24 @@ class SpecConfig(BaseModel):
     def tree(cls, widths: tuple[int, ...] | list[int]) -> SpecConfig:
         return cls(widths=tuple(widths))
 
+    @model_validator(mode="wrap")
+    @classmethod
+    def _from_text(cls, value, handler):
+        if isinstance(value, str):
+            return _parse_config(value)
+        return handler(value)
+
+    @model_serializer(mode="plain")
+    def _as_text(self) -> str:
+        return str(self)
+
     @classmethod
     def parse(cls, text: str) -> SpecConfig:
         """Parse `off`, `chainK` or `treeW1xW2x...` (case-insensitive)."""
+        return _parse_config(text)
+
+    @classmethod
+    def _parse_uncached(cls, text: str) -> SpecConfig:
         m = _CONFIG_RE.match(text.strip().lower())
         if m is None:
             raise PolicyError(f"bad speculation config {text!r}: expected off, chainK or treeAxBx...")
@@ -94,6 +114,12 @@ class SpecConfig(BaseModel):
 
     def __str__(self) -> str:
         return _config_text(self.widths)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_config(text: str) -> SpecConfig:
+    # Configs are frozen, so every reader of "chain4" can share one instance.
+    return SpecConfig._parse_uncached(text)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -203,6 +229,32 @@ class SpecPolicy(BaseModel):
             for b in range(rule.batch_lo, min(rule.batch_hi, max_batch_size) + 1):
                 table[b] = rule.config
         return table
+
+    @classmethod
+    def from_table(cls, table: Sequence[SpecConfig], version: int = 0, replica_id: str | None = None) -> SpecPolicy:
+        """The inverse of `compile`: table[b] is the config for batch size b (index 0 unused);
+        equal neighbours merge into one rule, and the last rule is open-ended."""
+        if len(table) < 2:
+            raise PolicyError("a dense table needs at least batch size 1")
+        rules: list[list] = []  # [lo, hi, config]
+        for b in range(1, len(table)):
+            if rules and rules[-1][2] == table[b]:
+                rules[-1][1] = b
+            else:
+                rules.append([b, b, table[b]])
+        rules[-1][1] = OPEN_END
+        return cls(version=version, replica_id=replica_id,
+                   rules=tuple(PolicyRule(batch_lo=lo, batch_hi=hi, config=c) for lo, hi, c in rules))
+
+    def with_configs(self, batch_lo: int, batch_hi: int, config: SpecConfig) -> SpecPolicy:
+        """This policy with batch sizes batch_lo..batch_hi running `config` (same version)."""
+        table = self.compile(max(batch_hi, self.rules[-1].batch_lo) + 1)
+        table[batch_lo: batch_hi + 1] = [config] * (batch_hi - batch_lo + 1)
+        return SpecPolicy.from_table(table, version=self.version, replica_id=self.replica_id)
+
+    def same_rules(self, other: SpecPolicy | None) -> bool:
+        """Whether `other` runs the same config at every batch size (versions aside)."""
+        return other is not None and self.rules == other.rules
 
     def to_vllm_table(self, max_batch_size: int) -> list[list[int]]:
         """vLLM's `num_speculative_tokens_per_batch_size`: [[lo, hi, k], ...] (chains only)."""

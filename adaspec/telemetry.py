@@ -18,9 +18,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from adaspec.policy import SpecPolicy
+from adaspec.policy import SpecConfig, SpecPolicy
 
 
 @dataclass(slots=True)
@@ -34,7 +34,7 @@ class StepRecord:
     scheduled_tokens: int  # tokens run through the target model
     prefill_tokens: int  # of those, prompt tokens
     context_tokens: int  # KV tokens the scheduled requests held before the step
-    config: str  # SpecConfig in force for this batch size (decides the next drafts)
+    config: SpecConfig  # in force for this batch size (decides the next drafts)
     policy_version: int
     num_drafts: int = 0  # sequences that verified draft tokens in this step
     # Draft tokens per sequence the drafter was asked for, for this step's verification (the
@@ -58,7 +58,7 @@ class RequestRecord:
     prompt_tokens: int
     output_tokens: int
     mean_batch: float  # mean batch size (requests) of the steps that ran it
-    config: str  # the SpecConfig that ran most of its steps
+    config: SpecConfig  # the config that ran most of its steps
 
     @property
     def latency_s(self) -> float:
@@ -71,9 +71,9 @@ class RequestLifetimes:
     controller fits request latency per config from the records (controller/latency.py)."""
 
     def __init__(self) -> None:
-        self._open: dict[str, tuple[int, int, dict[str, int]]] = {}  # id -> batch sum, steps, config steps
+        self._open: dict[str, tuple[int, int, dict[SpecConfig, int]]] = {}  # id -> batch sum, steps, config steps
 
-    def step(self, request_ids, batch_size: int, config: str) -> None:
+    def step(self, request_ids, batch_size: int, config: SpecConfig) -> None:
         for rid in request_ids:
             batch_sum, steps, configs = self._open.get(rid, (0, 0, {}))
             configs[config] = configs.get(config, 0) + 1
@@ -177,3 +177,34 @@ def summarize_acceptance(steps: list[StepRecord]) -> AcceptanceSummary:
         _add_into(accepted, s.accepted_per_pos)
     accepted.extend([0] * (len(drafted) - len(accepted)))
     return AcceptanceSummary(num_drafts=drafts, drafted_per_pos=drafted, accepted_per_pos=accepted)
+
+
+_STEP = TypeAdapter(StepRecord)
+
+
+def step_as_dict(step: StepRecord) -> dict:
+    """A StepRecord as plain JSON values (its config as text), for files and tables."""
+    return _STEP.dump_python(step, mode="json")
+
+
+class ProfiledStep(BaseModel):
+    """One line of a profile file (JSON lines, written by `adaspec profile`): a step and the
+    model it ran."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_id: str
+    step: StepRecord
+
+
+def read_profile(path: str, model_id: str | None = None) -> tuple[str, list[StepRecord]]:
+    """(model id, its steps) from a profile file: `model_id`'s steps, or the first line's
+    model's when None. Raises ValueError for a file with no steps of that model."""
+    with open(path) as f:
+        rows = [ProfiledStep.model_validate_json(line) for line in f if line.strip()]
+    if model_id is None and rows:
+        model_id = rows[0].model_id
+    steps = [r.step for r in rows if r.model_id == model_id]
+    if not steps:
+        raise ValueError(f"{path}: no profiled steps" + (f" of {model_id}" if model_id else ""))
+    return model_id, steps

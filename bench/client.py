@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import openai
 from tqdm import tqdm
 
-from bench.datasets import Prompt
+from adaspec.datasets import Prompt
 
 
 @dataclass

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 from adaspec.models import model_folder
-from bench.datasets import load_prompts, write_sharegpt_json
+from adaspec.datasets import load_prompts, write_sharegpt_json
 from bench.policies import NamedPolicy
 
 VLLM_MAIN = ("import argparse, sys; from vllm.benchmarks.serve import add_cli_args, main; "

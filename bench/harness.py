@@ -20,7 +20,7 @@ import httpx
 from pydantic import BaseModel, Field
 
 from bench.client import RequestResult, arrival_times, run_load
-from bench.datasets import Prompt, load_prompts
+from adaspec.datasets import Prompt, load_prompts
 from bench.metrics import BenchMetrics, summarize
 from bench.replica_probe import ReplicaProbe, TelemetryTrace
 

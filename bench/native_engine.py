@@ -42,7 +42,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 if not __package__:  # run as a file: this script's folder would shadow the native_engine package
@@ -51,6 +50,7 @@ if not __package__:  # run as a file: this script's folder would shadow the nati
 import torch  # noqa: E402
 
 from adaspec.policy import SpecPolicy  # noqa: E402
+from adaspec.telemetry import step_as_dict  # noqa: E402
 from native_engine.drafters import DraftModelDrafter, NgramDrafter  # noqa: E402
 from native_engine.engine import EngineConfig, NativeEngine  # noqa: E402
 from native_engine.requests import SamplingParams  # noqa: E402
@@ -88,7 +88,7 @@ def load_prompts(n: int, dataset: str = "humaneval", folder: Path | None = None
     """`n` prompts: HumanEval code prefixes (text), or held-out ShareGPT user turns as the
     served target sees them (chat-templated token ids; `folder` holds the tokenizer)."""
     if dataset == "sharegpt":
-        from adaspec.distill.teacher import load_tokenizer, prompt_ids
+        from distill.teacher import load_tokenizer, prompt_ids
 
         ids = prompt_ids(load_tokenizer(folder), "sharegpt", "test", n, max_chars=1000)
         return ids, f"ShareGPT held-out split (chat template), first {len(ids)} prompts, at most 1000 characters"
@@ -163,7 +163,7 @@ def run_config(base: NativeEngine, shape: str, prompts: list[str], batch: int, m
     start = time.perf_counter()
     outputs = engine.generate(prompts, params)
     wall = time.perf_counter() - start
-    steps = engine.drain_steps()
+    steps = engine.drain().steps
     # Steady state: pure decode steps with every row busy (no prompt joining, no tail).
     full = [s for s in steps if s.num_decode_reqs == batch and not s.prefill_tokens]
     gained = sum(s.num_decode_reqs + sum(s.accepted_per_pos) for s in full)
@@ -295,7 +295,7 @@ def main() -> None:
             if shape == "off":
                 reference[batch] = r["outputs"]
             r["matches_off"] = r["outputs"] == reference[batch]  # greedy: speculation must not change text
-            all_steps += [dict(asdict(s), bench_shape=shape, bench_batch=batch) for s in r.pop("steps")]
+            all_steps += [dict(step_as_dict(s), bench_shape=shape, bench_batch=batch) for s in r.pop("steps")]
             r.pop("outputs")
             results.append(r)
             print(f"[bench] batch {batch:2d} {shape:24s} {r['decode_tokens_per_s']:7.1f} tok/s "

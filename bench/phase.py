@@ -17,7 +17,7 @@ import statistics
 from dataclasses import asdict, dataclass
 
 from bench.client import RequestResult, arrivals_until
-from bench.datasets import Prompt, load_prompts
+from adaspec.datasets import Prompt, load_prompts
 from bench.harness import BenchSettings, bench_prompts
 from bench.metrics import tpot_s
 from bench.policies import interleaved
@@ -69,7 +69,7 @@ def settle_times(changes: list[PolicyChange], starts: list[float], end: float) -
         inside = [c for c in changes if start <= c.t < stop]
         out.append({"segment": i, "changes": len(inside),
                     "settle_s": (max(c.t for c in inside) - start) if inside else 0.0,
-                    "segment_s": stop - start, "configs": [c.config for c in inside]})
+                    "segment_s": stop - start, "configs": [str(c.config) for c in inside]})
     return out
 
 

@@ -12,13 +12,12 @@ measure them before deploying; the table never changes afterwards.
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
 from adaspec.policy import PolicyError, SpecConfig, SpecPolicy
-from adaspec.telemetry import StepRecord, summarize_acceptance
+from adaspec.telemetry import StepRecord, read_profile, summarize_acceptance
 
 ADAPTIVE = "adaptive"
 
@@ -37,25 +36,19 @@ class NamedPolicy:
         return 0 if self.table is None else SpecPolicy.parse(self.table).max_depth
 
 
-def load_profile_steps(path: Path) -> list[StepRecord]:
-    """Steps of `adaspec profile` (JSON lines {"model_id", "step"})."""
-    with open(path) as f:
-        return [StepRecord(**json.loads(line)["step"]) for line in f if line.strip()]
-
-
 def profiled_table(steps: list[StepRecord], grid: tuple[int, ...] = (1, 2, 4, 8, 16, 32)) -> str:
     """The best k per batch-size bucket (grid point b covers the sizes after the previous
     point up to b; the last bucket is open-ended). Only pure decode steps count for step
     time; buckets without data for some k leave that k out."""
-    by_config: dict[str, list[StepRecord]] = defaultdict(list)
+    by_config: dict[SpecConfig, list[StepRecord]] = defaultdict(list)
     for s in steps:
         by_config[s.config].append(s)
     accepted_length = {c: summarize_acceptance(ss).mean_accepted_length for c, ss in by_config.items()}
-    buckets: list[list] = []  # [lo, hi, config], equal neighbours merged
+    table = [SpecConfig.off()]  # [batch size] -> config; index 0 unused
     lo = 1
     for hi in grid:
         # A bucket the profile never reached keeps its smaller neighbour's choice.
-        best, best_speed = (buckets[-1][2] if buckets else "off"), 0.0
+        best, best_speed = table[-1], 0.0
         for config, ss in by_config.items():
             durations = [s.duration_s for s in ss
                          if lo <= s.batch_size <= hi and s.num_decode_reqs and not s.prefill_tokens]
@@ -64,14 +57,9 @@ def profiled_table(steps: list[StepRecord], grid: tuple[int, ...] = (1, 2, 4, 8,
             speed = accepted_length[config] / (sum(durations) / len(durations))  # tokens/s per sequence
             if speed > best_speed:
                 best, best_speed = config, speed
-        if buckets and buckets[-1][2] == best:
-            buckets[-1][1] = hi
-        else:
-            buckets.append([lo, hi, best])
+        table += [best] * (hi - lo + 1)
         lo = hi + 1
-    buckets[-1][1] = None  # open-ended
-    table = ",".join(f"{lo}+:{c}" if hi is None else f"{lo}-{hi}:{c}" for lo, hi, c in buckets)
-    return str(SpecPolicy.parse(table))  # validated, canonical
+    return str(SpecPolicy.from_table(table))  # the last bucket open-ended
 
 
 def resolve(names: list[str], profile_path: Path | None) -> list[NamedPolicy]:
@@ -83,7 +71,7 @@ def resolve(names: list[str], profile_path: Path | None) -> list[NamedPolicy]:
         elif name == "table:profiled":
             if profile_path is None or not Path(profile_path).is_file():
                 raise PolicyError(f"table:profiled needs a profile's steps.jsonl (--profile), not found: {profile_path}")
-            out.append(NamedPolicy(name, profiled_table(load_profile_steps(Path(profile_path)))))
+            out.append(NamedPolicy(name, profiled_table(read_profile(profile_path)[1])))
         elif name.startswith("table:"):
             out.append(NamedPolicy(name, str(SpecPolicy.parse(name[len("table:"):].strip("\"'")))))
         else:

@@ -15,7 +15,7 @@ from collections import defaultdict
 
 from pydantic import BaseModel, Field
 
-from adaspec import admin_client
+from serve_app import admin_client
 from adaspec.policy import SpecConfig
 from adaspec.telemetry import StepRecord, summarize_acceptance
 
@@ -33,7 +33,7 @@ class PolicyChange(BaseModel):
     t: float = Field(description="seconds since the run started: the first step under the new version")
     replica_id: str
     version: int
-    config: str = Field(description="the config that step ran with")
+    config: SpecConfig = Field(description="the config that step ran with")
 
 
 class TelemetryTrace(BaseModel):
@@ -48,11 +48,6 @@ class TelemetryTrace(BaseModel):
     error: str = ""
 
 
-def config_depth(config: str) -> int:
-    """Draft tokens per sequence of a config string ('off' -> 0, 'chain4' -> 4)."""
-    return SpecConfig.parse(config).depth
-
-
 def trace_of(steps: dict[str, list[StepRecord]], start_unix: float, policies: list[str],
              bin_s: float = 1.0) -> TelemetryTrace:
     """Summarize the steps (per replica, any order) that ended after `start_unix`."""
@@ -64,7 +59,7 @@ def trace_of(steps: dict[str, list[StepRecord]], start_unix: float, policies: li
     for s in all_steps:
         bins[int((s.time - start_unix) // bin_s)].append(s)
     timeline = [TimePoint(t=i * bin_s, steps=len(b), mean_batch=sum(s.batch_size for s in b) / len(b),
-                          mean_k=sum(config_depth(s.config) for s in b) / len(b)) for i, b in sorted(bins.items())]
+                          mean_k=sum(s.config.depth for s in b) / len(b)) for i, b in sorted(bins.items())]
     changes = []
     for rid, ss in steps.items():
         prev = None
@@ -79,7 +74,7 @@ def trace_of(steps: dict[str, list[StepRecord]], start_unix: float, policies: li
         available=True, steps=len(all_steps),
         mean_accepted_length=acc.mean_accepted_length if acc.num_drafts else None,
         acceptance_rate=acc.acceptance_rate if drafted else None,
-        mean_k=sum(config_depth(s.config) for s in all_steps) / len(all_steps),
+        mean_k=sum(s.config.depth for s in all_steps) / len(all_steps),
         timeline=timeline, policy_changes=sorted(changes, key=lambda c: c.t), policies_seen=policies)
 
 

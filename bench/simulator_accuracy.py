@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import statistics
 import time
 from pathlib import Path
 
-from adaspec import admin_client
-from adaspec.telemetry import EngineCapabilities
-from controller.core import load_profile_any
+from adaspec.datasets import Prompt
+from adaspec.telemetry import EngineCapabilities, ProfiledStep, read_profile
 from bench.client import arrival_times, run_load
-from bench.datasets import Prompt
+from serve_app import admin_client
 from controller.simulate import SimulatedEngine, measured_acceptance, measured_proposal_rate, simulate
 from controller.step_time import StepTimeModel
 
@@ -59,7 +57,7 @@ def measure(args) -> tuple[str, EngineCapabilities, dict[float, float], list]:
             "max_tokens": args.max_tokens, "requests": args.requests}, indent=2))
         with (out / "steps.jsonl").open("w") as f:
             for s in steps:
-                f.write(json.dumps({"model_id": model_id, "step": dataclasses.asdict(s)}) + "\n")
+                f.write(ProfiledStep(model_id=model_id, step=s).model_dump_json() + "\n")
     return model_id, caps, measured, steps
 
 
@@ -76,7 +74,7 @@ def main() -> None:
 
     if args.replay:
         saved = json.loads((Path(args.replay) / "measured.json").read_text())
-        model_id, steps = load_profile_any(str(Path(args.replay) / "steps.jsonl"))
+        model_id, steps = read_profile(str(Path(args.replay) / "steps.jsonl"))
         caps = EngineCapabilities.model_validate(saved["capabilities"])
         measured = {float(r): v for r, v in saved["measured"].items()}
         args.policy, args.max_tokens = saved["policy"], saved["max_tokens"]

@@ -15,7 +15,7 @@ import statistics
 
 import numpy as np
 
-from controller.core import load_profile_any
+from adaspec.telemetry import read_profile
 from controller.step_time import StepTimeModel, step_features
 
 
@@ -25,10 +25,10 @@ def main() -> None:
     parser.add_argument("--splits", type=int, default=5)
     args = parser.parse_args()
 
-    model_id, steps = load_profile_any(args.steps)
+    model_id, steps = read_profile(args.steps)
     x = np.array([step_features(s) for s in steps])
     y = np.array([s.duration_s for s in steps])
-    configs = np.array([s.config for s in steps])
+    configs = np.array([str(s.config) for s in steps])
     overall, per_config = [], {}
     for seed in range(args.splits):
         test = np.random.default_rng(seed).random(len(y)) < 0.2

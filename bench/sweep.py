@@ -32,11 +32,11 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, Field
 
-from adaspec import admin_client
-from adaspec.serve_process import ServeProcess
+from serve_app import admin_client
+from bench.serve_process import ServeProcess
 from bench.client import arrival_times
-from bench.datasets import load_prompts
-from bench.harness import BenchResult, BenchSettings, bench_prompts, format_summary
+from adaspec.datasets import load_prompts
+from bench.harness import BenchResult, BenchSettings, bench_prompts
 from bench.policies import NamedPolicy, interleaved
 
 

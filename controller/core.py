@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from adaspec.policy import OPEN_END, PolicyRule, SpecConfig, SpecPolicy
-from adaspec.telemetry import EngineCapabilities, ReplicaTelemetry, RequestRecord, StepRecord
+from adaspec.policy import SpecConfig, SpecPolicy
+from adaspec.telemetry import EngineCapabilities, ReplicaTelemetry, RequestRecord, StepRecord, read_profile
 from controller.acceptance import AcceptanceModel, expected_accepted_length
 from controller.config import ControllerConfig
 from controller.latency import LatencyFit, break_even_rate, fit_request_latency
@@ -85,35 +85,6 @@ class ControllerView(BaseModel):
     step_time_models: dict[str, FitReport]  # model id -> last fit
 
 
-def load_profile(path: str, model_id: str) -> list[StepRecord]:
-    """Step records of `model_id` from a file written by `adaspec profile` (JSON lines)."""
-    from pydantic import TypeAdapter
-
-    adapter = TypeAdapter(ProfiledStep)
-    with open(path) as f:
-        rows = [adapter.validate_json(line) for line in f if line.strip()]
-    return [r.step for r in rows if r.model_id == model_id]
-
-
-def load_profile_any(path: str) -> tuple[str, list[StepRecord]]:
-    """(model id, its steps) of a profile file holding one model's steps."""
-    from pydantic import TypeAdapter
-
-    adapter = TypeAdapter(ProfiledStep)
-    with open(path) as f:
-        rows = [adapter.validate_json(line) for line in f if line.strip()]
-    if not rows:
-        raise ValueError(f"{path}: no profiled steps")
-    return rows[0].model_id, [r.step for r in rows if r.model_id == rows[0].model_id]
-
-
-class ProfiledStep(BaseModel):
-    """One line of a profile file: a step and the model it ran."""
-
-    model_id: str
-    step: StepRecord
-
-
 def _bucket_of(batch: int, max_batch: int) -> int:
     """The lower bound of the policy-search bucket holding `batch`."""
     for lo, hi in batch_buckets(max_batch):
@@ -124,21 +95,6 @@ def _bucket_of(batch: int, max_batch: int) -> int:
 
 def _bucket_hi(lo: int, max_batch: int) -> int:
     return dict(batch_buckets(max_batch))[lo]
-
-
-def _with_bucket(policy: SpecPolicy, lo: int, hi: int, config: SpecConfig) -> SpecPolicy:
-    """`policy` with batch sizes lo..hi running `config`."""
-    table = policy.compile(max(hi, policy.rules[-1].batch_lo) + 1)
-    for b in range(lo, hi + 1):
-        table[b] = config
-    rules: list[PolicyRule] = []
-    for b in range(1, len(table)):
-        if rules and rules[-1].config == table[b]:
-            rules[-1] = rules[-1].model_copy(update={"batch_hi": b})
-        else:
-            rules.append(PolicyRule(batch_lo=b, batch_hi=b, config=table[b]))
-    rules[-1] = rules[-1].model_copy(update={"batch_hi": OPEN_END})
-    return policy.model_copy(update={"rules": tuple(rules)})
 
 
 def _ema(old: float | None, new: float, dt: float, half_life: float) -> float:
@@ -178,7 +134,7 @@ class _Replica:
 @dataclass
 class _Deployment:
     step_model: StepTimeModel
-    seen: dict[tuple[int, str], int] = field(default_factory=dict)  # (bucket lo, config) -> steps
+    seen: dict[tuple[int, SpecConfig], int] = field(default_factory=dict)  # (bucket lo, config) -> steps
     context_per_seq: float | None = None
     prefill_per_step: float | None = None
     proposal_rate: float | None = None  # share of decoding sequences that get a draft
@@ -187,20 +143,20 @@ class _Deployment:
     model_version: int = 0
     costs_version: int = -1
     samples_at_fit: int = 0
-    requests: dict[str, deque[RequestRecord]] = field(default_factory=dict)  # config -> recent finished
+    requests: dict[SpecConfig, deque[RequestRecord]] = field(default_factory=dict)  # config -> recent finished
 
-    def latency_fits(self) -> dict[str, LatencyFit]:
+    def latency_fits(self) -> dict[SpecConfig, LatencyFit]:
         fits = {c: fit_request_latency(c, list(rs)) for c, rs in self.requests.items()}
         return {c: f for c, f in fits.items() if f is not None}
 
 
-def _config_latencies(fits: dict[str, LatencyFit], output_tokens: float, rate: float) -> list[ConfigLatency]:
-    off = fits.get("off")
+def _config_latencies(fits: dict[SpecConfig, LatencyFit], output_tokens: float, rate: float) -> list[ConfigLatency]:
+    off = fits.get(SpecConfig.off())
     out = []
-    for config, fit in sorted(fits.items()):
+    for config, fit in sorted(fits.items(), key=lambda item: str(item[0])):
         coef = fit.coefficients(output_tokens)
         even = None
-        if off is not None and config != "off":
+        if off is not None and not config.is_off:
             even = break_even_rate(off.coefficients(output_tokens), coef)
         out.append(ConfigLatency(fit=fit, c1_s=coef.c1_s, c2_s=coef.c2_s, saturation_rate=coef.saturation_rate,
                                  latency_at_rate_s=coef.mean_latency(rate), break_even_rate=even))
@@ -265,7 +221,10 @@ class ControllerCore:
         if dep is None:
             dep = self.deployments[tel.model_id] = _Deployment(StepTimeModel())
             if self.config.profile_path:
-                dep.step_model.add(load_profile(self.config.profile_path, tel.model_id))
+                try:
+                    dep.step_model.add(read_profile(self.config.profile_path, tel.model_id)[1])
+                except ValueError:  # no steps of this model in the profile: start from none
+                    pass
         dep.step_model.add(steps)
         for s in steps:
             key = (_bucket_of(s.batch_size, tel.capabilities.max_batch_size), s.config)
@@ -287,7 +246,7 @@ class ControllerCore:
     def _costs(self, dep: _Deployment, caps: EngineCapabilities, now: float) -> CostTable:
         stale = now - dep.costs_built_at >= self.config.period_s or dep.costs_version != dep.model_version
         wanted = candidate_configs(caps.max_k, caps.supports_trees)
-        if dep.costs is None or stale or [str(c) for c in dep.costs.configs] != [str(c) for c in wanted] \
+        if dep.costs is None or stale or dep.costs.configs != wanted \
                 or dep.costs.max_batch != caps.max_batch_size:
             dep.costs = CostTable.build(dep.step_model, wanted, caps.max_batch_size,
                                         dep.context_per_seq or 256.0, dep.prefill_per_step or 0.0,
@@ -328,7 +287,7 @@ class ControllerCore:
             return decision
         trial = None
         for k in (chosen.depth - 1, chosen.depth + 1):
-            if 0 <= k <= caps.max_k and dep.seen.get((lo, str(SpecConfig.chain(k))), 0) < EXPLORE_STEPS:
+            if 0 <= k <= caps.max_k and dep.seen.get((lo, SpecConfig.chain(k)), 0) < EXPLORE_STEPS:
                 trial = SpecConfig.chain(k)
                 break
         if trial is None and chosen.is_off and caps.max_k >= 1 and now - rep.last_probe >= self.config.probe_every_s:
@@ -337,8 +296,8 @@ class ControllerCore:
             return decision
         if trial.depth and chosen.is_off:
             rep.last_probe = now
-        policy = _with_bucket(decision.policy, lo, _bucket_hi(lo, caps.max_batch_size), trial)
-        return decision.model_copy(update={"policy": policy, "changed": str(policy) != str(rep.policy_in_force)})
+        policy = decision.policy.with_configs(lo, _bucket_hi(lo, caps.max_batch_size), trial)
+        return decision.model_copy(update={"policy": policy, "changed": not policy.same_rules(rep.policy_in_force)})
 
     # ------------------------------------------------------------------ upkeep
     def refit_jobs(self) -> dict[str, StepTimeModel]:

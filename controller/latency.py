@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
+from adaspec.policy import SpecConfig
 from adaspec.telemetry import RequestRecord
 
 
@@ -101,7 +102,7 @@ class LatencyFit(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    config: str
+    config: SpecConfig
     samples: int  # requests fitted
     batch_lo: float  # smallest and largest mean batch among them (requests)
     batch_hi: float
@@ -113,7 +114,7 @@ class LatencyFit(BaseModel):
         return LatencyCoefficients(self.c1_per_token_s * output_tokens, self.c2_per_token_s * output_tokens)
 
 
-def fit_request_latency(config: str, records: Sequence[RequestRecord]) -> LatencyFit | None:
+def fit_request_latency(config: SpecConfig, records: Sequence[RequestRecord]) -> LatencyFit | None:
     """The fit over finished requests of `config`; None below MIN_FIT_REQUESTS.
 
     With every request at one batch size C1 and C2 cannot be told apart; the fit then

@@ -22,7 +22,7 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from adaspec.policy import OPEN_END, PolicyRule, SpecConfig, SpecPolicy
+from adaspec.policy import SpecConfig, SpecPolicy
 from controller.latency import OperatingPoint, operating_point, request_latency
 from controller.step_time import StepTimeModel, decode_features, monotone_table
 
@@ -35,7 +35,7 @@ class BucketChoice(BaseModel):
 
     batch_lo: int
     batch_hi: int
-    config: str
+    config: SpecConfig
     tokens_per_s: float  # predicted accepted tokens/s of the whole batch
     tpot_s: float  # predicted seconds per output token
 
@@ -82,7 +82,7 @@ class CostTable:
     step_s: np.ndarray  # [max_batch + 1, len(configs)]; row 0 unused
 
     def __post_init__(self) -> None:
-        self.names = [str(c) for c in self.configs]
+        self.index = {c: i for i, c in enumerate(self.configs)}  # config -> column
         self.buckets = batch_buckets(self.max_batch)
 
     @classmethod
@@ -129,7 +129,7 @@ def search_policy(costs: CostTable, expected: np.ndarray, rate: float, output_to
     batch = np.arange(1, costs.max_batch + 1, dtype=float)[:, None]
     tokens_per_s = batch * expected[None, :] / step
     tpot = step / expected[None, :]
-    names, buckets = costs.names, costs.buckets
+    buckets = costs.buckets
 
     if objective.kind == "tpot_slo" and objective.tpot_slo_s is not None:
         # Any config within the SLO beats every config outside it; outside, the fastest wins.
@@ -143,9 +143,8 @@ def search_policy(costs: CostTable, expected: np.ndarray, rate: float, output_to
     for i, (lo, hi) in enumerate(buckets):
         best = int(best_of[i])
         if current is not None:
-            in_force = str(current.config_for(lo))
-            if in_force in names:
-                cur = names.index(in_force)
+            cur = costs.index.get(current.config_for(lo))
+            if cur is not None:
                 gain = (bucket_means[i, best] - bucket_means[i, cur]) / max(abs(bucket_means[i, cur]), 1e-12)
                 if gain <= hysteresis:
                     best = cur
@@ -161,21 +160,15 @@ def search_policy(costs: CostTable, expected: np.ndarray, rate: float, output_to
             if candidate.latency_s < point.latency_s * (1 - hysteresis):
                 choice, point = uniform, candidate
 
-    rules, out_buckets = [], []
+    out_buckets = []
     tps_means, tpot_means = _bucket_means(tokens_per_s, buckets), _bucket_means(tpot, buckets)
     for i, (lo, hi) in enumerate(buckets):
         c = int(choice[lo])
         out_buckets.append(BucketChoice.model_construct(
-            batch_lo=lo, batch_hi=hi, config=names[c], tokens_per_s=float(tps_means[i, c]),
+            batch_lo=lo, batch_hi=hi, config=costs.configs[c], tokens_per_s=float(tps_means[i, c]),
             tpot_s=float(tpot_means[i, c])))
-        if rules and rules[-1][2] == c:
-            rules[-1][1] = hi
-        else:
-            rules.append([lo, hi, c])
-    rules[-1][1] = OPEN_END
-    policy = SpecPolicy(version=version, replica_id=replica_id, rules=tuple(
-        PolicyRule(batch_lo=lo, batch_hi=hi, config=costs.configs[c]) for lo, hi, c in rules))
-    changed = current is None or str(policy) != str(current)
+    policy = SpecPolicy.from_table([costs.configs[c] for c in choice], version=version, replica_id=replica_id)
+    changed = not policy.same_rules(current)
     return Decision(policy=policy, changed=changed, buckets=out_buckets,
                     operating_batch=point.batch, predicted_latency_s=point.latency_s,
                     elapsed_s=time.perf_counter() - start)

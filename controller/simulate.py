@@ -89,9 +89,8 @@ class SimReplica:
         self.t = 0.0
 
     def set_policy(self, policy: SpecPolicy) -> None:
-        names = [str(c) for c in self.engine.configs]
         self.policy = policy
-        self.lookup = [names.index(str(c)) for c in policy.compile(self.engine.max_batch)]
+        self.lookup = [self.engine.configs.index(c) for c in policy.compile(self.engine.max_batch)]
 
     def run_until(self, t_end: float, arrivals: list[float]) -> ReplicaTelemetry:
         start, groups, finished = self.t, {}, 0
@@ -144,7 +143,7 @@ class SimReplica:
             time=t_end, duration_s=g.seconds / g.steps, batch_size=b, num_decode_reqs=g.decode // g.steps,
             scheduled_tokens=(g.tokens + g.prefill) // g.steps, prefill_tokens=g.prefill // g.steps,
             context_tokens=b * (self.prompt_tokens + self.output_tokens // 2),
-            config=str(eng.configs[ci]), policy_version=self.policy.version, num_drafts=g.drafts,
+            config=eng.configs[ci], policy_version=self.policy.version, num_drafts=g.drafts,
             drafted_per_pos=g.drafted, accepted_per_pos=g.accepted, draft_k=eng.configs[ci].depth)
             for (b, ci), g in groups.items()]
         return ReplicaTelemetry(
@@ -217,9 +216,9 @@ def simulate(engine: SimulatedEngine, replicas: int, duration_s: float, rate: fl
 
 def engine_from_profile(path: str, max_batch: int, max_k: int) -> SimulatedEngine:
     """Step-time model and acceptance fitted on the steps of an `adaspec profile` file."""
-    from controller.core import load_profile_any
+    from adaspec.telemetry import read_profile
 
-    model_id, steps = load_profile_any(path)
+    model_id, steps = read_profile(path)
     model = StepTimeModel()
     model.add(steps)
     model.fit()

@@ -35,7 +35,7 @@ def step_features(step: StepRecord) -> list[float]:
     """The model's features of a recorded step."""
     decode = step.num_decode_reqs
     tokens_per_seq = (step.scheduled_tokens - step.prefill_tokens) / decode if decode else 0.0
-    return [float(step.batch_size), tokens_per_seq, float(SpecConfig.parse(step.config).depth),
+    return [float(step.batch_size), tokens_per_seq, float(step.config.depth),
             float(step.context_tokens), float(step.prefill_tokens)]
 
 

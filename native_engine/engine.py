@@ -32,8 +32,9 @@ from pathlib import Path
 
 import torch
 
+from adaspec.engine_contract import EngineReport, PolicySlot
 from adaspec.policy import PolicyAck, PolicyError, SpecConfig, SpecPolicy
-from adaspec.telemetry import EngineCapabilities, RequestLifetimes, RequestRecord, StepRecord
+from adaspec.telemetry import EngineCapabilities, RequestLifetimes, StepRecord
 from native_engine.drafters import Drafter, NgramDrafter
 from native_engine.kv_cache import KVCache
 from native_engine.model import Transformer, causal_mask, load_model
@@ -41,9 +42,6 @@ from native_engine.requests import Request, RequestOutput, SamplingParams
 from native_engine.stats import AcceptanceCounts
 from native_engine.tree import DraftTree, TreeShape, attention_mask, batch_tree_inputs
 from native_engine.verify import Acceptance, accept_greedy, accept_sampled, probs_from_logits
-
-MAX_BUFFERED_STEPS = 20_000  # StepRecords kept between two drains; older ones are dropped
-
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -70,14 +68,11 @@ class NativeEngine:
         self.running: list[Request] = []
         self._aborted: list[Request] = []
         self._ids: set[str] = set()
-        self._steps: deque[StepRecord] = deque(maxlen=MAX_BUFFERED_STEPS)
         self._lifetimes = RequestLifetimes()
-        self._finished_requests: deque[RequestRecord] = deque(maxlen=MAX_BUFFERED_STEPS)
         self._generator = torch.Generator().manual_seed(config.seed)
-        policy = policy or SpecPolicy.uniform(SpecConfig.off())
-        self.validate_policy(policy)
-        self.policy = policy
-        self._table = policy.compile(config.max_batch_size)
+        # The policy in force and the step buffer; raises PolicyError for a policy it cannot run.
+        self.slot = PolicySlot(self.capabilities(), policy or SpecPolicy.uniform(SpecConfig.off()),
+                               check=self._check_tree_room)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -145,17 +140,9 @@ class NativeEngine:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self._aborted)
 
-    def drain_steps(self) -> list[StepRecord]:
-        """StepRecords since the previous drain (oldest first)."""
-        steps = list(self._steps)
-        self._steps.clear()
-        return steps
-
-    def drain_requests(self) -> list[RequestRecord]:
-        """Requests finished (not aborted) since the previous drain (oldest first)."""
-        records = list(self._finished_requests)
-        self._finished_requests.clear()
-        return records
+    def drain(self) -> EngineReport:
+        """Steps and finished (not aborted) requests since the previous drain, and the load now."""
+        return self.slot.drain(waiting=len(self.waiting), running=len(self.running))
 
     def capabilities(self) -> EngineCapabilities:
         return EngineCapabilities(engine="native", max_batch_size=self.config.max_batch_size,
@@ -170,9 +157,21 @@ class NativeEngine:
     def shape_for(self, config: SpecConfig) -> TreeShape:
         return TreeShape.from_config(config, self.config.tree_budget)
 
+    @property
+    def policy(self) -> SpecPolicy:
+        """The policy in force."""
+        return self.slot.policy
+
     def validate_policy(self, policy: SpecPolicy) -> None:
         """Raise PolicyError unless every config of `policy` can run on this engine."""
-        policy.check_engine(self.config.max_batch_size, self.max_depth, supports_trees=True)
+        self.slot.validate(policy)
+
+    def apply_policy(self, policy: SpecPolicy) -> PolicyAck:
+        """Install `policy` from the next step on; stale versions are ignored, bad ones rejected."""
+        return self.slot.apply(policy)
+
+    def _check_tree_room(self, policy: SpecPolicy) -> None:
+        """Trees must fit the KV cache's spare room and the drafter's expansion limit."""
         for rule in policy.rules:
             shape = self.shape_for(rule.config)
             if shape.max_nodes > self.config.max_tree_nodes:
@@ -182,20 +181,6 @@ class NativeEngine:
                 raise PolicyError(f"{rule.config} expands up to {shape.expanded_nodes} draft nodes; the "
                                   f"{self.drafter.name} drafter expands at most {self.drafter.max_expanded_nodes}")
 
-    def apply_policy(self, policy: SpecPolicy) -> PolicyAck:
-        """Install `policy` from the next step on; stale versions are ignored, bad ones rejected."""
-        def ack(status: str, message: str = "") -> PolicyAck:
-            return PolicyAck(status=status, message=message, version_in_force=self.policy.version,
-                             policy_in_force=str(self.policy))
-        try:
-            self.validate_policy(policy)
-        except PolicyError as e:
-            return ack("rejected", str(e))
-        if policy.version < self.policy.version:
-            return ack("ignored_stale", f"version {policy.version} < {self.policy.version} in force")
-        self.policy, self._table = policy, policy.compile(self.config.max_batch_size)
-        return ack("applied")
-
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
     def step(self) -> list[RequestOutput]:
@@ -204,10 +189,10 @@ class NativeEngine:
         new = self._admit()
         if not self.running:
             return outputs
-        config = self._table[len(self.running)]
+        config = self.slot.config_for(len(self.running))
         shape = self.shape_for(config)
         decode = self.running[: len(self.running) - len(new)]
-        self._lifetimes.step([r.request_id for r in self.running], len(self.running), str(config))
+        self._lifetimes.step([r.request_id for r in self.running], len(self.running), config)
         context = sum(r.cache_len for r in decode)
         trees = self._draft(decode, shape)
         results, verified = self._verify(decode, trees)
@@ -338,10 +323,10 @@ class NativeEngine:
     def _record(self, start: float, config: SpecConfig, decode: list[Request], new: list[Request],
                 verified: int, context: int, counts: AcceptanceCounts) -> None:
         prefill_tokens = sum(len(r.prompt) for r in new)
-        self._steps.append(StepRecord(
+        self.slot.record_step(StepRecord(
             time=time.time(), duration_s=time.perf_counter() - start, batch_size=len(decode) + len(new),
             num_decode_reqs=len(decode), scheduled_tokens=verified + prefill_tokens,
-            prefill_tokens=prefill_tokens, context_tokens=context, config=str(config),
+            prefill_tokens=prefill_tokens, context_tokens=context, config=config,
             policy_version=self.policy.version, num_drafts=counts.num_drafts,
             draft_k=config.depth if decode and self.drafter is not None else 0,
             drafted_per_pos=counts.drafted_per_pos, accepted_per_pos=counts.accepted_per_pos,
@@ -355,7 +340,7 @@ class NativeEngine:
             return
         record = self._lifetimes.finish(req.request_id, req.arrival, len(req.prompt), len(req.output))
         if record is not None:
-            self._finished_requests.append(record)
+            self.slot.record_request(record)
 
     def _decode_fn(self, req: Request):
         if self.tokenizer is None:

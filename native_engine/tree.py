@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from adaspec.policy import SpecConfig, full_tree_parents
+from adaspec.policy import SpecConfig
 
 
 @dataclass(frozen=True)

@@ -14,16 +14,13 @@ import os
 from typing import Any
 
 from ray import serve
-from ray.llm._internal.serve.core.configs.openai_api_models import to_model_metadata
-from ray.llm._internal.serve.core.ingress.ingress import make_fastapi_ingress
 from ray.serve.deployment import Application
-from ray.serve.llm import LLMConfig, build_llm_deployment
 
 from adaspec.models import resolve_model
-from adaspec.serve_config import check_models
 from serve_app.config import AppConfig
 from serve_app.ingress import ENDPOINTS, AdaspecIngress
 from serve_app.native_adapter import AdaspecNativeEngine, NativeSettings
+from serve_app.ray_llm import LLMConfig, build_llm_deployment, make_fastapi_ingress, to_model_metadata
 from serve_app.replica import ReplicaSettings, SpecReplica
 from serve_app.vllm_engine import SCHEDULER_CLS
 
@@ -132,7 +129,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     """Ray Serve application builder; `args` is the `args:` block of the Serve config."""
     cfg = AppConfig.model_validate(args or {})
     cfg.check_engine_kwargs()
-    check_models(cfg)
+    cfg.resolve_models()
     config = llm_config(cfg)
     bind_kwargs: dict[str, Any] = {"settings": ReplicaSettings(controller=cfg.controller)}
     if cfg.engine == "native":

@@ -150,6 +150,20 @@ class AppConfig(_Strict):
             if key in owned:
                 raise ValueError(f"engine_kwargs.{key}: set by adaspec; use its own config field")
 
+    def resolve_models(self) -> None:
+        """Resolve the target (and draft) model references, preparing embedded ones; a
+        ModelError names the field."""
+        from adaspec.models import ModelError, resolve_model
+
+        refs = [("model", self.model)]
+        if self.speculation.draft_model:
+            refs.append(("speculation.draft_model", self.speculation.draft_model))
+        for field, ref in refs:
+            try:
+                resolve_model(ref)
+            except ModelError as e:
+                raise ModelError(f"{field}: {e}") from None
+
     @classmethod
     def from_yaml(cls, path: str) -> AppConfig:
         """Load the `args:` of the first application in a Serve config file."""

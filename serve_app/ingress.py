@@ -22,11 +22,9 @@ from fastapi import Request, Response, status
 from pydantic import BaseModel, ConfigDict, Field
 
 from adaspec.policy import PolicyError, SpecPolicy
-from ray.llm._internal.serve.core.configs.openai_api_models import OpenAIHTTPException
-from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS, OpenAiIngress
-from ray.llm._internal.serve.utils.broadcast import broadcast
 from controller.config import ControllerConfig
 from serve_app.config import AdminConfig
+from serve_app.ray_llm import DEFAULT_ENDPOINTS, OpenAIHTTPException, OpenAiIngress, broadcast
 
 OPENAI_ROUTES = ("models", "model_data", "completions", "chat")
 

@@ -6,8 +6,8 @@ they yield; this adapter answers those calls with a `NativeEngine` running on it
 thread (serve_app.native_loop), so the ingress, the admin routes and the control plane are
 the same for both engines. The control-plane calls the replica makes:
 - `apply_policy(SpecPolicy) -> PolicyAck`: through the engine thread, in force next step;
-- `drain_report() -> NativeReport`: the engine's StepRecords since the last drain, and load;
-- `capabilities(report) -> EngineCapabilities`: trees supported.
+- `drain_report() -> EngineReport`: the engine's records since the last drain, and load;
+- `capabilities() -> EngineCapabilities`: trees supported (fixed when the engine starts).
 
 A client that disconnects closes the response generator, which aborts its request.
 """
@@ -19,17 +19,17 @@ import itertools
 import logging
 import os
 import time
-from dataclasses import dataclass
 from typing import Any, AsyncGenerator, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from adaspec.engine_contract import EngineReport
 from adaspec.policy import PolicyAck, SpecPolicy
-from adaspec.telemetry import EngineCapabilities, RequestRecord, StepRecord
+from adaspec.telemetry import EngineCapabilities
 from native_engine.requests import RequestOutput, SamplingParams
-from ray.llm._internal.serve.core.engine.protocol import LLMEngine
 from serve_app import native_openai as oai
 from serve_app.native_loop import EngineLoop
+from serve_app.ray_llm import LLMEngine
 
 logger = logging.getLogger("ray.serve")
 
@@ -53,18 +53,6 @@ class NativeSettings(BaseModel):
     max_tree_nodes: int = Field(default=64, description="draft nodes per sequence per step, at most")
     tree_budget: int | None = None
     torch_threads: int = Field(default_factory=lambda: os.cpu_count() or 1)
-
-
-@dataclass
-class NativeReport:
-    """One drain of the engine (the fields SpecReplica reads from vLLM's EngineCoreReport)."""
-
-    steps: list[StepRecord]
-    requests: list[RequestRecord]  # finished since the previous drain
-    waiting: int  # requests queued for a free KV-cache row
-    running: int  # requests in the running batch
-    policy: SpecPolicy
-    dropped_steps: int = 0  # the engine's buffer outlasts any poll period
 
 
 def build_engine(s: NativeSettings):
@@ -114,7 +102,7 @@ class AdaspecNativeEngine(LLMEngine):
                     self.settings.max_model_len, engine.policy)
 
     # ------------------------------------------------------------------ control plane
-    def capabilities(self, report: NativeReport | None = None) -> EngineCapabilities:
+    async def capabilities(self) -> EngineCapabilities:
         assert self._caps is not None, "engine not started"
         return self._caps
 
@@ -122,11 +110,8 @@ class AdaspecNativeEngine(LLMEngine):
         """Install `policy` between two steps; the engine validates it (trees included)."""
         return await asyncio.wrap_future(self._loop.call(lambda e: e.apply_policy(policy)))
 
-    async def drain_report(self) -> NativeReport:
-        def drain(e) -> NativeReport:
-            return NativeReport(steps=e.drain_steps(), requests=e.drain_requests(), waiting=len(e.waiting), running=len(e.running),
-                                policy=e.policy)
-        return await asyncio.wrap_future(self._loop.call(drain))
+    async def drain_report(self) -> EngineReport:
+        return await asyncio.wrap_future(self._loop.call(lambda e: e.drain()))
 
     async def check_health(self) -> None:
         if self._loop is None or not self._loop.healthy:

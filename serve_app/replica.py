@@ -3,9 +3,9 @@
 One replica class for both engines; the engine is LLMServer's `engine_cls`:
 - `AdaspecVLLMEngine` (serve_app.vllm_engine, the default): vLLM, chains only;
 - `AdaspecNativeEngine` (serve_app.native_adapter): adaspec's native tree engine.
-Both answer the OpenAI calls LLMServer forwards and the `SpeculativeEngine` calls below,
-so everything here (the telemetry window, arrivals and finishes, the controller loop, the
-metrics) is shared.
+Both answer the OpenAI calls LLMServer forwards and the `SpeculativeEngine` calls below
+(the engine contract of adaspec.engine_contract), so everything here (the telemetry window,
+arrivals and finishes, the controller loop, the metrics) is shared.
 
 On top of LLMServer it adds the two control-plane methods the architecture names:
 - `apply_policy(SpecPolicy) -> PolicyAck`: in force from the engine's next step;
@@ -24,36 +24,26 @@ from typing import Any, AsyncGenerator, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from adaspec.engine_contract import EngineReport
 from adaspec.policy import PolicyAck, SpecPolicy
 from adaspec.telemetry import EngineCapabilities, ReplicaTelemetry, RequestRecord, StepRecord, summarize_acceptance
 from controller.config import ControllerConfig
 from ray import serve
-from ray.llm._internal.serve.core.server.llm_server import LLMServer
 from ray.util import metrics
+from serve_app.ray_llm import LLMServer
 from serve_app.vllm_engine import AdaspecVLLMEngine
 
 logger = logging.getLogger("ray.serve")
 
 
-class EngineReport(Protocol):
-    """One drain of an engine: what happened since the previous drain, and its load now."""
-
-    steps: list[StepRecord]
-    requests: list[RequestRecord]  # finished since the previous drain
-    dropped_steps: int  # step records lost because the engine's buffer was full
-    waiting: int  # requests queued
-    running: int  # requests in the running batch
-    policy: SpecPolicy  # in force
-
-
 class SpeculativeEngine(Protocol):
     """The control-plane calls a replica makes on its engine (besides LLMEngine's)."""
+
+    async def capabilities(self) -> EngineCapabilities: ...  # asked once, after the engine starts
 
     async def apply_policy(self, policy: SpecPolicy) -> PolicyAck: ...
 
     async def drain_report(self) -> EngineReport: ...
-
-    def capabilities(self, report: EngineReport) -> EngineCapabilities: ...
 
 
 class ReplicaSettings(BaseModel):
@@ -115,6 +105,7 @@ class SpecReplica(LLMServer):
         except RuntimeError:  # constructed outside Serve (tests)
             self._replica_id = "local"
         self._metrics = _ReplicaMetrics(self._replica_id, llm_config.model_id)
+        self._capabilities: EngineCapabilities = await self.engine.capabilities()
         await self._poll_engine()
         loop = asyncio.get_running_loop()
         self._poller = loop.create_task(self._poll_forever())
@@ -138,11 +129,6 @@ class SpecReplica(LLMServer):
         return self._tracked(await super().completions(request, raw_request_info))
 
     # ------------------------------------------------------------------ control plane
-    @property
-    def capabilities(self) -> EngineCapabilities:
-        assert self._report is not None
-        return self.engine.capabilities(self._report)
-
     async def apply_policy(self, policy: SpecPolicy) -> PolicyAck:
         """Install `policy` in the engine; it governs every step after this returns."""
         ack = await self.engine.apply_policy(policy)
@@ -164,7 +150,7 @@ class SpecReplica(LLMServer):
         assert self._report is not None
         return ReplicaTelemetry(
             replica_id=self._replica_id, model_id=self._llm_config.model_id,
-            capabilities=self.capabilities,
+            capabilities=self._capabilities,
             window_start=window_start, window_end=now,
             arrivals=sum(1 for t in self._arrivals if t > window_start),
             finished=sum(1 for t in self._finishes if t > window_start),

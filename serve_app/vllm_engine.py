@@ -7,10 +7,10 @@ the scheduler module explains.
 
 from __future__ import annotations
 
+from adaspec.engine_contract import EngineReport
 from adaspec.policy import PolicyAck, SpecPolicy
 from adaspec.telemetry import EngineCapabilities
-from ray.llm._internal.serve.engines.vllm.vllm_engine import VLLMEngine
-from serve_app.vllm_scheduler import EngineCoreReport
+from serve_app.ray_llm import VLLMEngine
 
 SCHEDULER_CLS = "serve_app.vllm_scheduler.AdaspecScheduler"
 
@@ -23,17 +23,15 @@ class AdaspecVLLMEngine(VLLMEngine):
             raise RuntimeError("engine not started")
         return await self._engine_client.engine_core.call_utility_async("scheduler", command, payload)
 
+    async def capabilities(self) -> EngineCapabilities:
+        """What the scheduler was started with (asked once, after the engine starts)."""
+        return EngineCapabilities.model_validate_json(await self._call_scheduler("capabilities"))
+
     async def apply_policy(self, policy: SpecPolicy) -> PolicyAck:
         """Install `policy`; it is in force from the next engine step on."""
         raw = await self._call_scheduler("apply_policy", policy.model_dump_json())
         return PolicyAck.model_validate_json(raw)
 
-    async def drain_report(self) -> EngineCoreReport:
+    async def drain_report(self) -> EngineReport:
         """Steps recorded since the previous drain, and the scheduler's load now."""
-        return EngineCoreReport.model_validate_json(await self._call_scheduler("drain"))
-
-    def capabilities(self, report: EngineCoreReport) -> EngineCapabilities:
-        """vLLM speculates in chains only, up to the k it was started with."""
-        method = self.llm_config.engine_kwargs["speculative_config"]["method"]
-        return EngineCapabilities(engine="vllm", max_batch_size=report.max_batch_size, max_k=report.max_k,
-                                  supports_trees=False, draft_method=method)
+        return EngineReport.model_validate_json(await self._call_scheduler("drain"))

@@ -18,31 +18,12 @@ its duration is measured from the start of schedule() to the end of update_from_
 from __future__ import annotations
 
 import time
-from collections import deque
 
-from pydantic import BaseModel, ConfigDict
-
-from adaspec.policy import OPEN_END, PolicyAck, PolicyError, PolicyRule, SpecConfig, SpecPolicy
-from adaspec.telemetry import RequestLifetimes, RequestRecord, StepRecord
+from adaspec.engine_contract import PolicySlot
+from adaspec.policy import OPEN_END, PolicyRule, SpecConfig, SpecPolicy
+from adaspec.telemetry import EngineCapabilities, RequestLifetimes, StepRecord
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
-
-MAX_BUFFERED_STEPS = 20_000  # steps kept between two drains; older ones are dropped
-
-
-class EngineCoreReport(BaseModel):
-    """What one drain of the engine core returns: steps since the last drain, and load now."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    steps: list[StepRecord]
-    requests: list[RequestRecord]  # requests finished since the last drain
-    dropped_steps: int  # steps lost because the buffer was full
-    waiting: int  # requests queued in the scheduler
-    running: int  # requests in the running batch
-    policy: SpecPolicy
-    max_batch_size: int
-    max_k: int
 
 
 def _policy_from_vllm_table(table: list, version: int = 0) -> SpecPolicy:
@@ -55,7 +36,7 @@ def _policy_from_vllm_table(table: list, version: int = 0) -> SpecPolicy:
 
 
 class AdaspecScheduler(Scheduler):
-    """vLLM's scheduler, plus a live policy and a per-step telemetry buffer."""
+    """vLLM's scheduler, plus a live policy and a per-step telemetry buffer (a PolicySlot)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -64,59 +45,37 @@ class AdaspecScheduler(Scheduler):
             raise RuntimeError(
                 "AdaspecScheduler needs speculative_config.num_speculative_tokens_per_batch_size"
             )
-        self._max_batch = self.scheduler_config.max_num_seqs
-        self._policy = _policy_from_vllm_table(spec.num_speculative_tokens_per_batch_size)
-        self._config_names = [str(c) for c in self._policy.compile(self._max_batch)]
-        self._steps: deque[StepRecord] = deque(maxlen=MAX_BUFFERED_STEPS)
-        self._recorded = 0
-        self._drained = 0
+        # vLLM speculates in chains only, up to the k it was started with.
+        capabilities = EngineCapabilities(engine="vllm", max_batch_size=self.scheduler_config.max_num_seqs,
+                                          max_k=self.num_spec_tokens, supports_trees=False,
+                                          draft_method=spec.method)
+        self._slot = PolicySlot(capabilities, _policy_from_vllm_table(spec.num_speculative_tokens_per_batch_size))
         self._pending: dict[int, tuple[float, StepRecord]] = {}  # id(scheduler_output) -> start
         self._step_spec_stats = None
         self._prev_k = 0  # k decided by the previous step: what this step verifies
         self._lifetimes = RequestLifetimes()
-        self._finished: deque[RequestRecord] = deque(maxlen=MAX_BUFFERED_STEPS)
 
     # ------------------------------------------------------------------ control channel
     def __bool__(self) -> bool:  # EngineCore evaluates `getattr(...) and call(...)`
         return True
 
     def __call__(self, command: str, payload: str = "") -> str:
-        """Utility-call entry point: `apply_policy` (SpecPolicy JSON) or `drain`."""
+        """Utility-call entry point: `apply_policy` (SpecPolicy JSON), `drain` or `capabilities`."""
         if command == "apply_policy":
-            return self._apply_policy(payload).model_dump_json()
+            try:
+                policy = SpecPolicy.model_validate_json(payload)
+            except ValueError as e:  # pydantic's ValidationError
+                return self._slot.reject(f"not a SpecPolicy: {e}").model_dump_json()
+            ack = self._slot.apply(policy)
+            if ack.status == "applied":
+                self.dynamic_sd_lookup = [c.depth for c in self._slot.table]
+            return ack.model_dump_json()
         if command == "drain":
-            return self._drain().model_dump_json()
+            running, waiting = self.get_request_counts()
+            return self._slot.drain(waiting=waiting, running=running).model_dump_json()
+        if command == "capabilities":
+            return self._slot.capabilities.model_dump_json()
         raise ValueError(f"unknown adaspec scheduler command {command!r}")
-
-    def _apply_policy(self, payload: str) -> PolicyAck:
-        def ack(status: str, message: str = "") -> PolicyAck:
-            return PolicyAck(status=status, message=message, version_in_force=self._policy.version,
-                             policy_in_force=str(self._policy))
-
-        try:
-            policy = SpecPolicy.model_validate_json(payload)
-            policy.check_engine(self._max_batch, self.num_spec_tokens, supports_trees=False)
-        except (PolicyError, ValueError) as e:
-            return ack("rejected", str(e))
-        if policy.version < self._policy.version:
-            return ack("ignored_stale", f"version {policy.version} < {self._policy.version} in force")
-        configs = policy.compile(self._max_batch)
-        self.dynamic_sd_lookup = [c.depth for c in configs]
-        self._config_names = [str(c) for c in configs]
-        self._policy = policy
-        return ack("applied")
-
-    def _drain(self) -> EngineCoreReport:
-        steps = list(self._steps)
-        self._steps.clear()
-        requests = list(self._finished)
-        self._finished.clear()
-        dropped = self._recorded - self._drained - len(steps)
-        self._drained = self._recorded
-        running, waiting = self.get_request_counts()
-        return EngineCoreReport(steps=steps, requests=requests, dropped_steps=max(dropped, 0), waiting=waiting,
-                                running=running, policy=self._policy,
-                                max_batch_size=self._max_batch, max_k=self.num_spec_tokens)
 
     # ------------------------------------------------------------------ step recording
     def schedule(self, *args, **kwargs):
@@ -140,8 +99,8 @@ class AdaspecScheduler(Scheduler):
         record = StepRecord(
             time=0.0, duration_s=0.0, batch_size=batch, num_decode_reqs=decode,
             scheduled_tokens=output.total_num_scheduled_tokens, prefill_tokens=prefill,
-            context_tokens=context, config=self._config_names[min(batch, self._max_batch)],
-            policy_version=self._policy.version, draft_k=self._prev_k,
+            context_tokens=context, config=self._slot.config_for(batch),
+            policy_version=self._slot.policy.version, draft_k=self._prev_k,
         )
         self._prev_k = output.num_spec_tokens_to_schedule
         self._pending[id(output)] = (start, record)
@@ -155,7 +114,7 @@ class AdaspecScheduler(Scheduler):
             record = self._lifetimes.finish(request.request_id, request.arrival_time,
                                             request.num_prompt_tokens, request.num_output_tokens)
             if record is not None:
-                self._finished.append(record)
+                self._slot.record_request(record)
         return super()._free_request(request, *args, **kwargs)
 
     def make_stats(self, spec_decoding_stats=None, *args, **kwargs):
@@ -177,6 +136,5 @@ class AdaspecScheduler(Scheduler):
                 record.num_drafts = stats.num_drafts
                 record.drafted_per_pos = list(stats.num_draft_tokens_per_pos)
                 record.accepted_per_pos = list(stats.num_accepted_tokens_per_pos)
-            self._steps.append(record)
-            self._recorded += 1
+            self._slot.record_step(record)
         return outputs

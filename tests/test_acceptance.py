@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 
 import numpy as np
 import pytest
@@ -138,7 +137,7 @@ def test_best_tree_dp_matches_brute_force(seed, budget, depth):
 def _step(t: float, drafts: int, drafted: list[int], accepted: list[int]) -> StepRecord:
     return StepRecord(time=t, duration_s=0.05, batch_size=drafts, num_decode_reqs=drafts,
                       scheduled_tokens=drafts * (1 + len(drafted)), prefill_tokens=0,
-                      context_tokens=100, config=f"chain{len(drafted)}", policy_version=0,
+                      context_tokens=100, config=SpecConfig.chain(len(drafted)), policy_version=0,
                       num_drafts=drafts, drafted_per_pos=drafted, accepted_per_pos=accepted)
 
 

@@ -11,14 +11,15 @@ import sys
 
 import pytest
 
-from adaspec.cli import main as cli_main
+from cli.main import main as cli_main
 from bench.client import RequestResult, arrival_times, arrivals_until
-from bench.datasets import load_prompts, recover_records, split_of
+from adaspec.datasets import load_prompts, recover_records, split_of
 from bench.metrics import summarize, tpot_s
 from bench.phase import parse_trace, settle_times, trace_workload
-from bench.policies import NamedPolicy, interleaved, profiled_table, resolve
+from bench.policies import interleaved, profiled_table, resolve
 from bench.replica_probe import PolicyChange, trace_of
 from bench.report import geomean, verdicts, write_report
+from adaspec.policy import SpecConfig
 from adaspec.telemetry import StepRecord
 
 
@@ -101,7 +102,7 @@ def test_load_prompts_is_deterministic_and_split():
 # ---------------------------------------------------------------------------- policies
 def _step(t, batch, config, version=1, drafts=0, accepted=()):
     return StepRecord(time=t, duration_s=0.1 if config == "off" else 0.12, batch_size=batch, num_decode_reqs=batch,
-                      scheduled_tokens=batch, prefill_tokens=0, context_tokens=10, config=config,
+                      scheduled_tokens=batch, prefill_tokens=0, context_tokens=10, config=SpecConfig.parse(config),
                       policy_version=version, num_drafts=drafts, drafted_per_pos=[drafts] * len(accepted),
                       accepted_per_pos=list(accepted))
 
@@ -135,7 +136,7 @@ def test_trace_of_steps_reports_acceptance_k_and_policy_changes():
     assert tr.steps == 3 and tr.mean_accepted_length == pytest.approx(1 + 3 / 4)
     assert tr.acceptance_rate == pytest.approx(3 / 8)
     assert [p.mean_k for p in tr.timeline] == [2.0, 0.0]
-    assert [(round(c.t, 2), c.config) for c in tr.policy_changes] == [(1.4, "off")]
+    assert [(round(c.t, 2), str(c.config)) for c in tr.policy_changes] == [(1.4, "off")]
 
 
 def test_phase_trace_and_settle_times():
@@ -252,7 +253,7 @@ def test_bench_load_is_replaced():
 def test_adaspec_bench_against_the_server(server, client, tmp_path):
     """`adaspec bench` as a user runs it: a few streamed chat requests; the JSON counts them,
     has no errors, and carries the replicas' telemetry."""
-    cmd = [sys.executable, "-m", "adaspec.cli", "bench", "--url", server.url, "--dataset", "sharegpt",
+    cmd = [sys.executable, "-m", "cli.main", "bench", "--url", server.url, "--dataset", "sharegpt",
            "--rate", "4", "--num-prompts", "4", "--max-tokens", "12", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -12,8 +12,8 @@ import yaml
 from pydantic import ValidationError
 from starlette.requests import Request
 
-from adaspec.serve_config import ConfigError, check_serve_config
-from ray.llm._internal.serve.core.configs.openai_api_models import OpenAIHTTPException
+from cli.serve_config import ConfigError, check_serve_config
+from serve_app.ray_llm import OpenAIHTTPException
 from serve_app.builder import build_app, llm_config
 from serve_app.config import AdminConfig, AppConfig
 from serve_app.ingress import AdaspecIngress

@@ -41,7 +41,7 @@ class SimulatedReplica:
             steps.append(StepRecord(
                 time=t, duration_s=duration, batch_size=batch, num_decode_reqs=batch,
                 scheduled_tokens=batch * (1 + k_prev), prefill_tokens=0, context_tokens=batch * 300,
-                config=str(cfg), policy_version=self.policy.version, num_drafts=batch if k_prev else 0,
+                config=cfg, policy_version=self.policy.version, num_drafts=batch if k_prev else 0,
                 drafted_per_pos=drafted, accepted_per_pos=accepted))
             k_prev = cfg.depth
         return ReplicaTelemetry(
@@ -129,7 +129,7 @@ def _requests(rng, config: str, n: int, batch: float, c1: float, c2: float, end:
         tokens = int(rng.integers(16, 256))
         latency = tokens * (c1 + batch * c2) * rng.lognormal(0, 0.03)
         out.append(RequestRecord(arrival_time=end - latency, finish_time=end, prompt_tokens=100,
-                                 output_tokens=tokens, mean_batch=batch, config=config))
+                                 output_tokens=tokens, mean_batch=batch, config=SpecConfig.parse(config)))
     return out
 
 
@@ -147,7 +147,7 @@ def test_latency_is_fitted_per_config_from_finished_requests():
         t += 1.0
         core.observe(tel, now=t)
     (view,) = core.view(now=t).replicas
-    fits = {c.fit.config: c for c in view.latency_fits}
+    fits = {str(c.fit.config): c for c in view.latency_fits}
     assert set(fits) == {"off", "chain2"}
     for config, (c1, c2) in truth.items():
         fit = fits[config].fit

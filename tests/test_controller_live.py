@@ -13,7 +13,7 @@ import httpx
 import pytest
 import ray
 
-from adaspec.admin_client import format_controller
+from serve_app.admin_client import format_controller
 from adaspec.policy import SpecConfig
 from controller.actor import CHECKPOINT_FILE, NAMESPACE, get_controller
 from tests.conftest import MODEL, URL, replica_status, set_controller, wait_until

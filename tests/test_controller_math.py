@@ -20,7 +20,7 @@ from controller.latency import (
     operating_point,
 )
 from controller.policy_search import CostTable, Objective, batch_buckets, candidate_configs, search_policy
-from controller.step_time import StepTimeModel, decode_features
+from controller.step_time import StepTimeModel
 
 
 def synthetic_step_time(batch, tokens, passes, context, prefill):
@@ -39,7 +39,7 @@ def synthetic_steps(rng, n=600):
         duration = synthetic_step_time(batch, 1 + k, k, context, prefill) * rng.lognormal(0, 0.03)
         steps.append(StepRecord(time=0, duration_s=duration, batch_size=batch, num_decode_reqs=batch,
                                 scheduled_tokens=batch * (1 + k) + prefill, prefill_tokens=prefill,
-                                context_tokens=context, config=str(SpecConfig.chain(k)), policy_version=0))
+                                context_tokens=context, config=SpecConfig.chain(k), policy_version=0))
     return steps
 
 
@@ -153,7 +153,7 @@ def test_request_latency_fit_needs_requests_and_a_spread_of_batches():
 
     def record(batch, latency, tokens=100):
         return RequestRecord(arrival_time=0.0, finish_time=latency, prompt_tokens=10, output_tokens=tokens,
-                             mean_batch=batch, config="chain2")
+                             mean_batch=batch, config=SpecConfig.chain(2))
 
     few = [record(1, 2.0)] * (MIN_FIT_REQUESTS - 1)
     assert fit_request_latency("chain2", few) is None
@@ -169,11 +169,12 @@ def test_request_lifetimes_name_the_config_that_ran_most_steps():
     from adaspec.telemetry import RequestLifetimes
 
     lifetimes = RequestLifetimes()
-    lifetimes.step(["a", "b"], 2, "chain2")
-    lifetimes.step(["a", "b", "c"], 3, "chain1")
-    lifetimes.step(["a", "c"], 2, "chain1")
+    chain1, chain2 = SpecConfig.chain(1), SpecConfig.chain(2)
+    lifetimes.step(["a", "b"], 2, chain2)
+    lifetimes.step(["a", "b", "c"], 3, chain1)
+    lifetimes.step(["a", "c"], 2, chain1)
     rec = lifetimes.finish("a", arrival_time=10.0, prompt_tokens=5, output_tokens=7, finish_time=12.5)
-    assert (rec.config, rec.mean_batch, rec.latency_s, rec.output_tokens) == ("chain1", pytest.approx(7 / 3), 2.5, 7)
+    assert (rec.config, rec.mean_batch, rec.latency_s, rec.output_tokens) == (chain1, pytest.approx(7 / 3), 2.5, 7)
     lifetimes.discard("b")
     assert lifetimes.finish("b", 0.0, 1, 1) is None
     assert lifetimes.finish("never-ran", 0.0, 1, 1) is None

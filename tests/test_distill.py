@@ -8,19 +8,18 @@ import json
 import shutil
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from adaspec.distill import DistillError
+from distill import DistillError
 from adaspec.policy import SpecPolicy
-from adaspec.distill.draft import DRAFT_MARKER, DraftShape, check_compatible, new_draft
-from adaspec.distill.evaluate import evaluate, heldout_sequences, replay_stats
-from adaspec.distill.pipeline import DistillRequest, check_tokenizer, distill
-from adaspec.distill.teacher import TeacherSettings, prompt_ids
-from adaspec.distill.train import TrainSettings
+from distill.draft import DRAFT_MARKER, DraftShape, check_compatible, new_draft
+from distill.evaluate import evaluate, heldout_sequences, replay_stats
+from distill.pipeline import DistillRequest, check_tokenizer, distill
+from distill.teacher import TeacherSettings, prompt_ids
+from distill.train import TrainSettings
 from native_engine.model import ModelArgs, build_model, load_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,7 +35,7 @@ def _save_target(folder: Path) -> Path:
     0.3) that depend mostly on the last token (layer outputs scaled down), i.e. a noisy bigram."""
     from safetensors.torch import save_file
 
-    from adaspec.distill.draft import hf_config
+    from distill.draft import hf_config
 
     model = build_model(TARGET_ARGS, seed=3, init_std=0.3)
     with torch.no_grad():
@@ -115,7 +114,7 @@ def test_saved_folder_is_a_bf16_llama_with_a_card_and_loads_in_the_native_engine
     got = engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
     target = load_model(target_dir)
     assert got == [reference_greedy(target, p, 12) for p in prompts]
-    assert sum(sum(r.accepted_per_pos) for r in engine.drain_steps()) > 0
+    assert sum(sum(r.accepted_per_pos) for r in engine.drain().steps) > 0
 
 
 def test_resume_continues_from_the_checkpoint(distilled, caplog):
@@ -124,7 +123,7 @@ def test_resume_continues_from_the_checkpoint(distilled, caplog):
     more = state.tokens_seen + 5_000
     with caplog.at_level("INFO"):
         _, _, resumed = distill(_request(tmp, target_dir, tokens=more, resume=True))
-    assert f"resumed from" in caplog.text and f"step {state.step}," in caplog.text
+    assert "resumed from" in caplog.text and f"step {state.step}," in caplog.text
     assert resumed.step > state.step and resumed.tokens_seen >= more
     assert sorted((tmp / "work").glob("teacher-*/shard-*.pt")) == shards  # teacher data reused
 
@@ -165,7 +164,7 @@ def test_bad_input_fails_clearly_and_overwrites_nothing(tmp_path, distilled):
 
 
 def test_cli_names_the_flag(tmp_path, capsys):
-    from adaspec.cli import main
+    from cli.main import main
 
     busy = tmp_path / "busy"
     busy.mkdir()
@@ -249,4 +248,4 @@ def test_committed_draft_resolves_by_name_fits_the_budget_and_drafts_in_the_nati
     plain = NativeEngine.from_pretrained("smollm2-135m-instruct", drafter="none", config=config)
     params = SamplingParams(max_tokens=12)
     assert spec.generate(["The capital of France is"], params) == plain.generate(["The capital of France is"], params)
-    assert sum(sum(r.drafted_per_pos) for r in spec.drain_steps()) > 0  # the draft model proposed the trees
+    assert sum(sum(r.drafted_per_pos) for r in spec.drain().steps) > 0  # the draft model proposed the trees

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from adaspec.serve_config import check_serve_config
+from cli.serve_config import check_serve_config
 from serve_app.config import AppConfig
 
 REPO = Path(__file__).resolve().parents[1]

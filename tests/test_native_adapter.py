@@ -12,7 +12,7 @@ import yaml
 from pydantic import ValidationError
 
 from adaspec.policy import SpecPolicy
-from adaspec.serve_config import check_serve_config
+from cli.serve_config import check_serve_config
 from controller.policy_search import candidate_configs
 from native_engine.drafters import NgramDrafter
 from native_engine.engine import EngineConfig, NativeEngine
@@ -101,8 +101,8 @@ def test_engine_loop_serves_requests_like_generate_and_aborts():
             loop.submit("big", [1] * 100, SamplingParams(max_tokens=100), lambda out: None).result(10)
         ack = loop.call(lambda e: e.apply_policy(SpecPolicy.parse("1+:tree8x8x8", version=3))).result(10)
         assert ack.status == "rejected" and "max_tree_nodes" in ack.message
-        steps = loop.call(lambda e: e.drain_steps()).result(10)
-        assert any(s.config == "tree4x2x2" and s.reached_per_depth_rank for s in steps)
+        steps = loop.call(lambda e: e.drain().steps).result(10)
+        assert any(str(s.config) == "tree4x2x2" and s.reached_per_depth_rank for s in steps)
 
         aborted = concurrent.futures.Future()
         loop.submit("long", [1, 2, 3], SamplingParams(max_tokens=80, ignore_eos=True),

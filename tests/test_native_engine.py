@@ -88,12 +88,13 @@ def test_greedy_equals_the_targets_own_decoding_with_joins_and_leaves(target, dr
             assert reasons[i] == "abort" and outputs[i] == ref[: len(outputs[i])]
         else:
             assert reasons[i] == "length" and outputs[i] == ref[: max_tokens[i]], i
-    steps = engine.drain_steps()
+    report = engine.drain()
+    steps = report.steps
     assert max(s.batch_size for s in steps) == 3  # the batch really was mixed
     # One RequestRecord per finished request, none for the aborted one.
-    finished = engine.drain_requests()
+    finished = report.requests
     assert sorted(r.output_tokens for r in finished) == sorted(m for i, m in enumerate(max_tokens) if i != 3)
-    assert all(1 <= r.mean_batch <= 3 and r.latency_s > 0 and r.config == shape.split("@")[0] for r in finished)
+    assert all(1 <= r.mean_batch <= 3 and r.latency_s > 0 and str(r.config) == shape.split("@")[0] for r in finished)
     if shape != "off":
         accepted = sum(sum(s.accepted_per_pos) for s in steps)
         assert accepted > 0, "no draft token was ever accepted: the test would not exercise verification"
@@ -147,7 +148,7 @@ def test_kv_cache_after_rejections_equals_recomputation(target, draft, prompts, 
         engine.step()
         # With 4 root children, a path reaching depth 2 is not contiguous in verify order
         # (its depth-2 node sits after all depth-1 nodes), so the cache had to be compacted.
-        deep += sum(engine.drain_steps()[-1].accepted_per_pos[1:2])  # [] in the prefill step
+        deep += sum(engine.drain().steps[-1].accepted_per_pos[1:2])  # [] in the prefill step
     assert deep > 0, "no path reached depth 2: cache compaction not exercised"
     for req in engine.running:
         committed = req.context[: req.cache_len]
@@ -167,17 +168,17 @@ def test_live_policy_change_takes_effect_at_the_next_step(target, draft, prompts
     engine.add_request("a", prompts[0], SamplingParams(max_tokens=30))
     engine.step()  # prefill
     engine.step()
-    assert engine.drain_steps()[-1].config == "chain4"
+    assert str(engine.drain().steps[-1].config) == "chain4"
     ack = engine.apply_policy(SpecPolicy.parse("1-1:tree2x2,2+:off", version=3))
     assert ack.status == "applied" and ack.version_in_force == 3
     engine.step()
-    rec = engine.drain_steps()[-1]
-    assert (rec.config, rec.policy_version, len(rec.reached_per_depth_rank)) == ("tree2x2", 3, 2)
+    rec = engine.drain().steps[-1]
+    assert (str(rec.config), rec.policy_version, len(rec.reached_per_depth_rank)) == ("tree2x2", 3, 2)
     engine.add_request("b", prompts[1], SamplingParams(max_tokens=30))
     engine.step()  # batch 2 now: off
     engine.step()
-    rec = engine.drain_steps()[-1]
-    assert (rec.config, rec.num_drafts, rec.draft_k, rec.scheduled_tokens) == ("off", 0, 0, 2)
+    rec = engine.drain().steps[-1]
+    assert (str(rec.config), rec.num_drafts, rec.draft_k, rec.scheduled_tokens) == ("off", 0, 0, 2)
     stale = engine.apply_policy(SpecPolicy.parse("chain2", version=2))
     assert stale.status == "ignored_stale" and stale.version_in_force == 3
     out = {"a": [], "b": []}
@@ -195,10 +196,10 @@ def test_step_records_have_consistent_counts_and_feed_the_controller(target, dra
     for _ in range(12):
         outs = engine.step()
         gained.append(sum(len(o.new_token_ids) for o in outs))
-    steps = engine.drain_steps()
+    steps = engine.drain().steps
     assert steps[0].prefill_tokens == sum(len(p) for p in prompts[:4]) and steps[0].num_decode_reqs == 0
     for s, g in zip(steps[1:], gained[1:]):
-        assert s.config == "tree3x2x1" and s.draft_k == 3 and s.num_decode_reqs == 4
+        assert str(s.config) == "tree3x2x1" and s.draft_k == 3 and s.num_decode_reqs == 4
         assert g == s.num_decode_reqs + sum(s.accepted_per_pos)  # 1 + accepted per sequence
         assert s.num_drafts <= s.num_decode_reqs
         assert s.scheduled_tokens == s.num_decode_reqs * (1 + SpecConfig.parse("tree3x2x1").num_nodes)
@@ -216,8 +217,9 @@ def test_step_records_have_consistent_counts_and_feed_the_controller(target, dra
 
 
 def test_impossible_configs_are_refused_with_clear_errors(target, draft):
-    engine = _engine(target, draft, "draft_model", "off", max_batch=2, max_tree_nodes=20)
-    engine.drafter.max_depth = 4
+    # The engine's capabilities are fixed when it starts: a drafter of depth 4 from the start.
+    engine = NativeEngine(target, DraftModelDrafter(draft, 2, 192, max_depth=4),
+                          EngineConfig(max_batch_size=2, max_seq_len=192, max_tree_nodes=20), SpecPolicy.parse("off"))
     deep = engine.apply_policy(SpecPolicy.parse("chain6", version=1))
     assert deep.status == "rejected" and "drafts 6 tokens" in deep.message
     wide = engine.apply_policy(SpecPolicy.parse("tree4x4x2", version=1))

@@ -98,7 +98,7 @@ def _engine(target, draft, drafter: str, shape: str) -> NativeEngine:
 def test_speculative_sampling_matches_the_target_distribution(target, draft, drafter, shape, temperature, top_p):
     engine = _engine(target, draft, drafter, shape)
     counts = _sample(engine, temperature, top_p)
-    steps = engine.drain_steps()
+    steps = engine.drain().steps
     accepted = sum(sum(s.accepted_per_pos) for s in steps)
     assert accepted > SAMPLES / 10, f"too few accepted drafts ({accepted}) for the test to mean anything"
     assert _p_value(counts, _exact_joint(target, temperature, top_p)) > 1e-3

@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from adaspec.policy import SpecConfig
+from adaspec.policy import SpecConfig, full_tree_parents
 from controller.acceptance import ranks_and_depths
 from native_engine.drafters import DraftModelDrafter, NgramDrafter
 from native_engine.model import build_model
@@ -18,7 +18,6 @@ from native_engine.tree import (
     TreeShape,
     attention_mask,
     batch_tree_inputs,
-    full_tree_parents,
     prune_best_first,
     tree_mask,
 )

@@ -73,7 +73,7 @@ def test_engine_check():
 
 def _step(drafts, drafted, accepted):
     return StepRecord(time=0, duration_s=0.1, batch_size=1, num_decode_reqs=1, scheduled_tokens=5,
-                      prefill_tokens=0, context_tokens=10, config="chain4", policy_version=0,
+                      prefill_tokens=0, context_tokens=10, config=SpecConfig.chain(4), policy_version=0,
                       num_drafts=drafts, drafted_per_pos=drafted, accepted_per_pos=accepted)
 
 

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import torch
 
-from adaspec.distill import draft as draft_mod
-from adaspec.distill import teacher
-from adaspec.distill.card import model_card
-from adaspec.distill.evaluate import DraftEval, evaluate, heldout_sequences
-from adaspec.distill import DistillError
-from adaspec.distill.teacher import TeacherSettings
-from adaspec.distill.train import TrainSettings, TrainState, load_checkpoint, make_optimizer, train
+from distill import draft as draft_mod
+from distill import teacher
+from distill.card import model_card
+from distill.evaluate import DraftEval, evaluate, heldout_sequences
+from distill import DistillError
+from distill.teacher import TeacherSettings
+from distill.train import TrainSettings, TrainState, load_checkpoint, make_optimizer, train
 from native_engine.model import ModelLoadError, Transformer, load_model
 
 logger = logging.getLogger(__name__)
@@ -152,7 +152,7 @@ def distill(req: DistillRequest) -> tuple[Path, DraftEval, TrainState]:
         if req.resume:
             logger.warning("--resume: no checkpoint at %s; starting a new draft", ckpt_path)
         draft = draft_mod.new_draft(target, shape)
-        from adaspec.distill.train import _batch, kd_loss
+        from distill.train import _batch, kd_loss
 
         scale = draft_mod.calibrate_head_scale(draft, _batch(seqs[:4], req.train.max_len, 1.0), kd_loss)
         logger.info("head scale calibrated to %gx", scale)

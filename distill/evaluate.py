@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from adaspec.distill.teacher import TeacherSequence, TeacherSettings, generate_batch
+from distill.teacher import TeacherSequence, TeacherSettings, generate_batch
 from native_engine.kv_cache import KVCache
 from native_engine.model import Transformer, causal_mask
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from adaspec.distill.evaluate import DraftEval, format_rate
+from distill.evaluate import DraftEval, format_rate
 from native_engine.model import Transformer
 
 # The goals of issue 7, printed beside the measured numbers.

@@ -9,7 +9,6 @@ fits the step-time model, and reports its error on held-out steps.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import threading
 import time
@@ -17,9 +16,10 @@ from pathlib import Path
 
 import httpx
 
-from adaspec import admin_client
 from adaspec.policy import SpecConfig
+from adaspec.telemetry import ProfiledStep
 from controller.step_time import StepTimeModel
+from serve_app import admin_client
 
 PROMPTS = [
     "Write a short story about a cat who learns to fly.",
@@ -75,7 +75,7 @@ def profile(url: str, out: Path, ks: list[int], batches: list[int], max_tokens: 
                 _run_batch(url, model_id, batch, max_tokens)
                 steps = [s for r in admin_client.status(url, token) for s in r.steps if s.time > start]
                 for s in steps:
-                    f.write(json.dumps({"model_id": model_id, "step": dataclasses.asdict(s)}) + "\n")
+                    f.write(ProfiledStep(model_id=model_id, step=s).model_dump_json() + "\n")
                 model.add(steps)
                 mean_ms = 1000 * sum(s.duration_s for s in steps) / max(len(steps), 1)
                 cells.append({"k": k, "batch": batch, "steps": len(steps), "mean_step_ms": mean_ms})

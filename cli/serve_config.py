@@ -32,6 +32,7 @@ def check_serve_config(path: str | Path) -> None:
     AppConfig (model resolved, vLLM engine arguments checked). Raises ConfigError."""
     from ray.serve.schema import ServeDeploySchema
 
+    from adaspec.models import ModelError
     from serve_app.config import AppConfig
 
     path = Path(path)
@@ -56,18 +57,7 @@ def check_serve_config(path: str | Path) -> None:
             raise ConfigError(f"{path}:\n" + _format_validation_error(prefix, e)) from None
         except ValueError as e:
             raise ConfigError(f"{path}: {prefix}{e}") from None
-        check_models(cfg, prefix)
-
-
-def check_models(cfg, prefix: str = "") -> None:
-    """Resolve the target (and draft) model references, preparing embedded ones."""
-    from adaspec.models import ModelError, resolve_model
-
-    refs = [("model", cfg.model)]
-    if cfg.speculation.draft_model:
-        refs.append(("speculation.draft_model", cfg.speculation.draft_model))
-    for field, ref in refs:
         try:
-            resolve_model(ref)
+            cfg.resolve_models()
         except ModelError as e:
-            raise ConfigError(f"{prefix}{field}: {e}") from None
+            raise ConfigError(f"{prefix}{e}") from None

@@ -113,7 +113,7 @@ def format_status(reports: list[ReplicaTelemetry]) -> str:
             f"queued {r.queue_length}",
             f"  batch sizes seen: {_ranges(batch_sizes) or '-'}",
             f"  mean step time: {step_ms:.1f} ms",
-            f"  acceptance per position: "
+            "  acceptance per position: "
             + (" ".join(f"{p:.2f}" for p in acc.conditional_rate_per_pos) or "-")
             + f"  (rate {acc.acceptance_rate:.3f}, mean accepted length {acc.mean_accepted_length:.2f})",
         ]

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from adaspec.distill import DistillError
+from distill import DistillError
 from native_engine.model import ModelArgs, Transformer, build_model
 
 DRAFT_MARKER = "adaspec-draft.json"

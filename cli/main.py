@@ -36,11 +36,11 @@ import sys
 import time
 from pathlib import Path
 
-from adaspec import admin_client
-from adaspec.distill import DistillError
-from adaspec.models import BUNDLED_DRAFTS, EMBEDDED_MODELS, ModelError, model_folder, prepare_model
+from serve_app import admin_client
+from distill import DistillError
+from adaspec.models import BUNDLED_DRAFTS, EMBEDDED_MODELS, ModelError, prepare_model
 from adaspec.policy import PolicyError, SpecPolicy
-from adaspec.serve_config import ConfigError
+from cli.serve_config import ConfigError
 
 
 def _cmd_prepare_models(args: argparse.Namespace) -> int:
@@ -62,8 +62,8 @@ def _cmd_distill_draft(args: argparse.Namespace) -> int:
 
     import torch
 
-    from adaspec.distill.draft import DraftShape
-    from adaspec.distill.pipeline import DistillRequest, distill
+    from distill.draft import DraftShape
+    from distill.pipeline import DistillRequest, distill
 
     for flag, value in (("--layers", args.layers), ("--hidden", args.hidden), ("--tokens", args.tokens)):
         if value < 1:
@@ -91,7 +91,7 @@ def _cmd_eval_draft(args: argparse.Namespace) -> int:
 
     import torch
 
-    from adaspec.distill.pipeline import eval_draft
+    from distill.pipeline import eval_draft
 
     torch.set_num_threads(args.threads)
     result = eval_draft(args.target, args.draft, args.dataset, args.prompts, args.max_tokens)
@@ -100,7 +100,7 @@ def _cmd_eval_draft(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from adaspec.serve_config import check_serve_config
+    from cli.serve_config import check_serve_config
 
     check_serve_config(args.config)  # fail fast, naming the field; `serve run` would retry
     serve = os.path.join(os.path.dirname(sys.executable), "serve")
@@ -125,7 +125,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
-    from adaspec.profile import profile
+    from cli.profile import profile
 
     summary = profile(args.url, Path(args.out), _int_list(args.ks, "--ks"),
                       _int_list(args.batches, "--batches"), args.max_tokens, token=args.token)
@@ -261,7 +261,7 @@ def _policy_list(text: str) -> list[str]:
 
 def _check_dataset(dataset: str, num_prompts: int, seed: int) -> None:
     """Load the prompts once before anything starts; a shortfall names the flag."""
-    from bench.datasets import DatasetError, load_prompts
+    from adaspec.datasets import DatasetError, load_prompts
 
     try:
         load_prompts(dataset, num_prompts, seed, split="test")
@@ -295,7 +295,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    from bench.datasets import DATASETS
+    from adaspec.datasets import DATASETS
     from bench.policies import resolve
     from bench.report import write_report
     from bench.sweep import Sweep, SweepSettings

@@ -23,9 +23,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from adaspec.distill.teacher import TeacherSequence
+from distill.teacher import TeacherSequence
 from native_engine.model import Transformer, causal_mask
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,52 @@
+"""Ray Serve LLM as adaspec uses it: the one module that imports `ray.llm._internal`.
+
+The public API (`ray.serve.llm`) is used wherever it has what adaspec needs; each internal
+import below says why it does not. Internal modules move between Ray releases, so Ray is
+pinned (pyproject.toml) and tests/test_ray_llm.py fails with a clear message when the
+installed Ray's minor version is not the pinned one.
+"""
+
+from __future__ import annotations
+
+# Public API.
+from ray.serve.llm import LLMConfig, build_llm_deployment
+from ray.serve.llm.deployment import LLMServer
+from ray.serve.llm.ingress import OpenAiIngress, make_fastapi_ingress
+
+# The engine interface LLMServer drives (`engine_cls`); the native engine implements it.
+# ray.serve.llm exports LLMServer but not the engine protocol it calls.
+from ray.llm._internal.serve.core.engine.protocol import LLMEngine
+# Ray Serve LLM's vLLM engine, subclassed to reach adaspec's scheduler; not exported.
+from ray.llm._internal.serve.engines.vllm.vllm_engine import VLLMEngine
+# The OpenAI request and response models. ray.serve.llm.openai_api_models exports subclasses
+# of these, but the ingress parses requests into these classes, so isinstance checks on a
+# request need them. ErrorInfo (the body of ErrorResponse), OpenAIHTTPException (what the
+# ingress turns into an OpenAI error response) and to_model_metadata (the card /v1/models
+# lists) are not exported at all.
+from ray.llm._internal.serve.core.configs.openai_api_models import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    ErrorInfo,
+    ErrorResponse,
+    OpenAIHTTPException,
+    to_model_metadata,
+)
+# The route table of OpenAiIngress, so adaspec's ingress keeps the OpenAI routes as they are.
+from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS
+# One actor call to every replica of a deployment (the admin routes); Serve has no public
+# broadcast, and a DeploymentHandle call reaches one replica.
+from ray.llm._internal.serve.utils.broadcast import broadcast
+
+# The Ray release these imports were checked against (pyproject.toml pins ray[serve]==2.60.*).
+PINNED_RAY_MINOR = "2.60"
+
+__all__ = [
+    "ChatCompletionRequest", "ChatCompletionResponse", "ChatCompletionStreamResponse", "CompletionRequest",
+    "CompletionResponse", "CompletionStreamResponse", "DEFAULT_ENDPOINTS", "ErrorInfo", "ErrorResponse",
+    "LLMConfig", "LLMEngine", "LLMServer", "OpenAIHTTPException", "OpenAiIngress", "PINNED_RAY_MINOR",
+    "VLLMEngine", "broadcast", "build_llm_deployment", "make_fastapi_ingress", "to_model_metadata",
+]
