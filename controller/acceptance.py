@@ -1,6 +1,6 @@
 """Acceptance model: how many draft tokens the target accepts, for any chain or tree shape.
 
-Terms (Leviathan et al. 2023; Sequoia, Chen et al. 2024; papers.md sections 1 and 3)
+Terms (Leviathan et al. 2023; Sequoia, Chen et al. 2024; docs/papers.md sections 1 and 3)
 - A draft tree's node v sits at depth d (1 = first draft token) with sibling rank r (0 = the
   drafter's most likely candidate among its siblings). A chain is a tree of width 1.
 - Conditional rate p[d][r]: P(candidate (d, r) accepted | its parent accepted and every

@@ -18,8 +18,11 @@ class ControllerConfig(BaseModel):
         default="goodput", description="what a policy maximises: accepted tokens/s, lowest mean "
         "latency at the predicted load, or most tokens/s with TPOT <= tpot_slo_s")
     tpot_slo_s: float | None = Field(default=None, gt=0, description="TPOT SLO (seconds), tpot_slo only")
-    half_life_s: float = Field(default=20.0, gt=0, description="acceptance memory (seconds)")
-    hysteresis: float = Field(default=0.05, ge=0, description="switch only above this predicted gain")
+    half_life_s: float = Field(
+        default=20.0, gt=0, description="half-life of the acceptance model's decayed counts (seconds)")
+    hysteresis: float = Field(
+        default=0.05, ge=0, description="switch a bucket's config only when the predicted gain over the one in "
+        "force exceeds this fraction (0.05 = 5%)")
     checkpoint_dir: str | None = Field(
         default=None, description="where models and policies are saved; default "
         "$ADASPEC_CONTROLLER_DIR or ~/.cache/adaspec/controller")
@@ -28,7 +31,7 @@ class ControllerConfig(BaseModel):
     probe_every_s: float = Field(
         default=30.0, gt=0, description="while a replica's bucket runs `off`, try chain1 there "
         "for one period this often, so a change of workload is noticed (seconds)")
-    replica_timeout_s: float = Field(default=5.0, gt=0, description="drop replicas silent this long")
+    replica_timeout_s: float = Field(default=5.0, gt=0, description="drop replicas silent this long (seconds)")
     refit_every_s: float = Field(default=10.0, gt=0, description="step-time model refit period (seconds)")
 
     @model_validator(mode="after")

@@ -1,5 +1,5 @@
 """Latency model under load (Kong et al., "An Interpretable Latency Model for Speculative
-Decoding in LLM Serving", seed 003; papers.md section 4).
+Decoding in LLM Serving"; docs/papers.md section 4).
 
 Per-request latency grows with the number of requests served together: L(B) = C1 + B * C2
 (C1: an empty server's latency, seconds; C2: seconds added per concurrent request). Little's

@@ -1,6 +1,6 @@
 """Step-time model: how long one engine step takes, for any batch and speculation config.
 
-Features of a step (AdaTree, seed 001; papers.md section 3):
+Features of a step (AdaTree; docs/papers.md section 3):
 - batch_size: requests in the step
 - tokens_per_seq: tokens each decoding sequence runs through the target (1 + draft tokens
   verified); the memory-bound -> compute-bound knee lies along batch_size * tokens_per_seq

@@ -1,6 +1,6 @@
 """Token trees as data: a parents array, and the mask / positions derived from it.
 
-Terms (papers.md section 3; EAGLE-2, Li et al. 2024; SpecInfer, Miao et al. 2024)
+Terms (docs/papers.md section 3; EAGLE-2, Li et al. 2024; SpecInfer, Miao et al. 2024)
 - root: the sequence's last sampled token, not yet in the KV cache. Draft nodes hang below
   it; node i's parent is `parents[i]` (-1 = the root), nodes in topological order, siblings
   in the drafter's rank order (rank 0 = its most likely candidate).

@@ -39,7 +39,8 @@ class SpeculationConfig(_Strict):
     prompt_lookup_max: int = Field(default=4, ge=1, description="ngram: longest n-gram matched (tokens)")
     policy: str = Field(
         default="chain4",
-        description="policy at start, e.g. `1-2:chain4,3-8:chain2,9+:off` (batch sizes -> config)",
+        description="policy at start, same syntax as `adaspec policy set`: e.g. `1-2:chain4,3-8:chain2,9+:off` "
+        "(batch sizes -> config)",
     )
 
     @field_validator("policy")
@@ -76,16 +77,25 @@ class AdminConfig(_Strict):
 class AppConfig(_Strict):
     """One adaspec application: an OpenAI ingress and N speculative replicas of one model."""
 
-    model: str = Field(default=DEFAULT_MODEL, description="embedded name, local folder, or HF id")
+    model: str = Field(
+        default=DEFAULT_MODEL,
+        description="embedded model name, local folder, or Hugging Face id (`owner/name`)",
+    )
     served_model_name: str | None = Field(
         default=None, description="the `model` clients send; defaults to `model`"
     )
     engine: Literal["vllm", "native"] = Field(
-        default="vllm", description="engine in each replica: vLLM (chains), or adaspec's native tree engine"
+        default="vllm",
+        description="engine in each replica: `vllm` (chains), or `native`, adaspec's tree engine (float32 or "
+        "bfloat16; a KV cache of max_num_seqs rows of max_model_len tokens; no tensor parallelism, "
+        "kv_cache_gib or engine_kwargs)",
     )
-    accelerator: Literal["cpu", "gpu"] = Field(default="cpu")
-    tensor_parallel_size: int = Field(default=1, ge=1, description="GPUs per replica (gpu only)")
-    num_replicas: int = Field(default=1, ge=1)
+    accelerator: Literal["cpu", "gpu"] = Field(default="cpu", description="where each replica's engine runs")
+    tensor_parallel_size: int = Field(
+        default=1, ge=1,
+        description="GPUs per replica (gpu only): one placement-group bundle each, packed on one node",
+    )
+    num_replicas: int = Field(default=1, ge=1, description="engine replicas (one engine each)")
     max_model_len: int = Field(default=2048, ge=16, description="context window (tokens)")
     max_num_seqs: int = Field(default=64, ge=1, description="largest running batch (requests)")
     kv_cache_gib: float | None = Field(
@@ -93,7 +103,9 @@ class AppConfig(_Strict):
         description="KV cache per replica (GiB); default 1 on cpu, vLLM's memory fraction on gpu",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        default="auto", description="weights and activations; auto = float32 on cpu, the model's on gpu"
+        default="auto",
+        description="weights and activations; auto = float32 on cpu; on gpu the model's own (vllm) or "
+        "bfloat16 (native)",
     )
     cpu_threads: int | None = Field(
         default=None, ge=1, description="torch threads of a CPU engine; default all cores"
@@ -102,11 +114,18 @@ class AppConfig(_Strict):
         default=None, ge=1,
         description="native only: draft nodes per sequence kept best-first from every tree config",
     )
-    speculation: SpeculationConfig = Field(default_factory=SpeculationConfig)
-    controller: ControllerConfig = Field(default_factory=ControllerConfig)
-    admin: AdminConfig = Field(default_factory=AdminConfig)
+    speculation: SpeculationConfig = Field(
+        default_factory=SpeculationConfig, description="how the engine drafts, and the policy it starts with"
+    )
+    controller: ControllerConfig = Field(
+        default_factory=ControllerConfig,
+        description="the adaptive controller that retunes every replica's policy",
+    )
+    admin: AdminConfig = Field(default_factory=AdminConfig, description="the operator routes under /admin")
     engine_kwargs: dict[str, Any] = Field(
-        default_factory=dict, description="extra vLLM engine arguments (AsyncEngineArgs fields)"
+        default_factory=dict,
+        description="extra vLLM engine arguments (AsyncEngineArgs fields, checked against vLLM's own; "
+        "those adaspec sets itself are refused); vllm only",
     )
 
     @model_validator(mode="after")
