@@ -68,6 +68,13 @@ def _depths(client, since: float, batch_lo: int, batch_hi: int) -> list[int]:
 def ray_client(server):
     if ray.is_initialized():  # e.g. a local instance an earlier test's Ray call started
         ray.shutdown()
+    # `serve run` started a new local cluster, which Ray 2.60 runs with token auth (the token in
+    # ~/.ray/auth_token). A driver joining it must use token auth too; it does so by itself only
+    # if this process started a local cluster earlier (as the full suite's unit tests do), so a
+    # run of the real-stack tests alone would fail here without this.
+    from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
+
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
     ray.init(address=server.gcs_address(), namespace=NAMESPACE, log_to_driver=False)
     yield
     ray.shutdown()
