@@ -372,7 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--teacher-minutes", type=float, default=None,
                    help="of which generating teacher data (default 40%% while the cache is short)")
     p.add_argument("--teacher-tokens", type=int, default=400_000, help="teacher positions wanted in the cache")
-    p.add_argument("--dataset", default="sharegpt", choices=["sharegpt", "humaneval"])
+    p.add_argument("--dataset", default="sharegpt", choices=["sharegpt", "humaneval"],
+                   help="prompts the teacher continues (train split)")
     p.add_argument("--eval-prompts", type=int, default=40, help="held-out prompts for the card's numbers")
     p.add_argument("--eval-max-tokens", type=int, default=128, help="target tokens per held-out prompt")
     p.add_argument("--text-sequences", type=int, default=0,
@@ -386,7 +387,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval-draft", help="acceptance and cost of a draft model for a target")
     p.add_argument("--target", required=True, help="embedded model name or folder")
     p.add_argument("--draft", required=True, help="draft model name or folder")
-    p.add_argument("--dataset", default="sharegpt", choices=["sharegpt", "humaneval"])
+    p.add_argument("--dataset", default="sharegpt", choices=["sharegpt", "humaneval"],
+                   help="held-out prompts to measure on (test split)")
     p.add_argument("--prompts", type=int, default=40, help="held-out prompts (test split)")
     p.add_argument("--max-tokens", type=int, default=128, help="target tokens per held-out prompt")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
@@ -403,7 +405,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_status)
 
     p = sub.add_parser("controller", help="show, pause or resume the adaptive controller")
-    p.add_argument("action", choices=["show", "pause", "resume"])
+    p.add_argument("action", choices=["show", "pause", "resume"],
+                   help="show the controller's view, or pause / resume its policy pushes")
     _add_url(p)
     p.set_defaults(func=_cmd_controller)
 
@@ -416,21 +419,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_profile)
 
     p = sub.add_parser("simulate", help="simulate N replicas and the controller")
-    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--replicas", type=int, default=1, help="simulated replicas, each with its own engine")
     p.add_argument("--duration", type=float, default=60.0, help="simulated seconds")
     p.add_argument("--rate", type=float, required=True, help="requests/s over all replicas")
     p.add_argument("--profile", help="steps from `adaspec profile` to fit the models on")
     p.add_argument("--checkpoint", help="a controller checkpoint (default: the local controller's)")
     p.add_argument("--policy", help="a static policy instead of the controller")
     p.add_argument("--acceptance", type=float, default=0.6, help="per-position rate without data")
-    p.add_argument("--max-batch", type=int, default=32)
-    p.add_argument("--max-k", type=int, default=4)
-    p.add_argument("--output-tokens", type=int, default=128)
-    p.add_argument("--prompt-tokens", type=int, default=200)
+    p.add_argument("--max-batch", type=int, default=32, help="largest running batch per replica (requests)")
+    p.add_argument("--max-k", type=int, default=4, help="deepest chain the simulated engines run (tokens)")
+    p.add_argument("--output-tokens", type=int, default=128, help="output tokens per request")
+    p.add_argument("--prompt-tokens", type=int, default=200, help="prompt tokens per request")
     p.add_argument("--period", type=float, default=1.0, help="control period (seconds)")
     p.add_argument("--warmup", type=float, default=0.0, help="ignore requests arriving before (seconds)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--seed", type=int, default=0, help="arrival times and acceptance draws")
+    p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_simulate)
 
     policy = sub.add_parser("policy", help="show or set the speculation policy").add_subparsers(
@@ -446,9 +449,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="load-test an OpenAI-compatible endpoint")
     _add_url(p)
-    p.add_argument("--dataset", required=True, choices=["sharegpt", "humaneval"])
+    p.add_argument("--dataset", required=True, choices=["sharegpt", "humaneval"], help="prompts (test split)")
     p.add_argument("--rate", type=float, required=True, help="requests per second (inf: all at once)")
-    p.add_argument("--num-prompts", type=int, required=True)
+    p.add_argument("--num-prompts", type=int, required=True, help="requests to send")
     _add_workload(p)
     p.add_argument("--out", help="folder for the result JSON")
     p.set_defaults(func=_cmd_bench)

@@ -3,6 +3,7 @@ and one real `adaspec bench` run against the shared server (slow)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import statistics
@@ -279,3 +280,19 @@ def test_summary_fits_one_screen_with_and_without_adaspec_telemetry():
                                           metrics=summarize(rs, 2.0, 0.25), telemetry=trace))
         assert len(text.splitlines()) <= 12 and "TPOT" in text and "goodput" in text
         assert ("no adaspec telemetry" in text) != trace.available
+
+
+def test_every_cli_flag_has_help():
+    from cli.main import build_parser
+
+    def parsers(parser):
+        yield parser.prog, parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    yield from parsers(sub)
+
+    missing = [f"{prog} {a.option_strings or a.dest}" for prog, parser in parsers(build_parser())
+               for a in parser._actions
+               if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction)) and not a.help]
+    assert not missing, f"flags without help text: {missing}"
