@@ -32,7 +32,7 @@ def measure(args) -> tuple[str, EngineCapabilities, dict[float, float], list]:
     reports = admin_client.status(args.url)
     model_id, caps = reports[0].model_id, reports[0].capabilities
     view = admin_client.controller_view(args.url)
-    if view and not view["paused"]:
+    if view and not view.paused:
         admin_client.controller_action(args.url, "pause")
     admin_client.set_policy(args.url, args.policy)
     measured, steps = {}, []
@@ -47,7 +47,7 @@ def measure(args) -> tuple[str, EngineCapabilities, dict[float, float], list]:
             steps += [s for r in admin_client.status(args.url) for s in r.steps if s.time > start]
             print(f"rate {rate}: measured mean latency {measured[rate]:.3f} s over {len(results)} requests", flush=True)
     finally:
-        if view and not view["paused"]:
+        if view and not view.paused:
             admin_client.controller_action(args.url, "resume")
     if args.out:
         out = Path(args.out)

@@ -113,7 +113,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         view = admin_client.controller_view(args.url, token=args.token)
         if args.json:
             print(json.dumps({"replicas": [r.model_dump(mode="json") for r in reports],
-                              "controller": view}, indent=2))
+                              "controller": view.model_dump(mode="json") if view else None}, indent=2))
         else:
             if args.watch:
                 print("\033[2J\033[H" + time.strftime("%H:%M:%S"), end="\n")
@@ -185,7 +185,10 @@ def _cmd_controller(args: argparse.Namespace) -> int:
         view = admin_client.controller_view(args.url, token=args.token)
     else:
         view = admin_client.controller_action(args.url, args.action, token=args.token)
-    print(json.dumps(view, indent=2) if args.json else admin_client.format_controller(view))
+    if args.json:
+        print(json.dumps(view.model_dump(mode="json") if view else None, indent=2))
+    else:
+        print(admin_client.format_controller(view))
     return 0
 
 

@@ -63,7 +63,7 @@ def profile(url: str, out: Path, ks: list[int], batches: list[int], max_tokens: 
     batches = [b for b in batches if b <= caps.max_batch_size]
     original = str(reports[0].policy)
     controller = admin_client.controller_view(url, token)
-    if controller is not None and not controller["paused"]:
+    if controller is not None and not controller.paused:
         admin_client.controller_action(url, "pause", token)
     cells, steps_file = [], out / "steps.jsonl"
     model = StepTimeModel()
@@ -83,7 +83,7 @@ def profile(url: str, out: Path, ks: list[int], batches: list[int], max_tokens: 
                     f"mean {mean_ms:.1f} ms")
     finally:
         admin_client.set_policy(url, original, token)
-        if controller is not None and not controller["paused"]:
+        if controller is not None and not controller.paused:
             admin_client.controller_action(url, "resume", token)
     fit = model.fit()
     summary = {"model_id": model_id, "url": url, "ks": ks, "batches": batches, "max_tokens": max_tokens,

@@ -3,25 +3,14 @@
 from __future__ import annotations
 
 import httpx
-from pydantic import BaseModel, ConfigDict
 
+from adaspec.policy import PolicyAck
 from adaspec.telemetry import ReplicaTelemetry, summarize_acceptance
+from controller.core import ControllerView
 
 
 class AdminError(RuntimeError):
     """The admin route answered with an error, or could not be reached."""
-
-
-class PolicyAckView(BaseModel):
-    """A replica's answer to a policy push, as the admin route returns it."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    replica_id: str
-    status: str
-    version_in_force: int
-    policy_in_force: str
-    message: str = ""
 
 
 def _request(method: str, url: str, path: str, token: str | None, **kwargs) -> list:
@@ -43,55 +32,57 @@ def status(url: str, token: str | None = None) -> list[ReplicaTelemetry]:
     return [ReplicaTelemetry.model_validate(r) for r in _request("GET", url, "/admin/status", token)]
 
 
-def set_policy(url: str, table: str, token: str | None = None, version: int | None = None) -> list[PolicyAckView]:
+def set_policy(url: str, table: str, token: str | None = None, version: int | None = None) -> list[PolicyAck]:
     body = {"table": table, "version": version}
-    return [PolicyAckView.model_validate(a) for a in _request("POST", url, "/admin/policy", token, json=body)]
+    return [PolicyAck.model_validate(a) for a in _request("POST", url, "/admin/policy", token, json=body)]
 
 
-def controller_view(url: str, token: str | None = None) -> dict | None:
-    """The controller's view (ControllerView as JSON), or None when no controller runs."""
+def controller_view(url: str, token: str | None = None) -> ControllerView | None:
+    """The controller's view, or None when no controller runs."""
     try:
-        return _request("GET", url, "/admin/controller", token)
+        return ControllerView.model_validate(_request("GET", url, "/admin/controller", token))
     except AdminError as e:
         if "HTTP 404" in str(e):
             return None
         raise
 
 
-def controller_action(url: str, action: str, token: str | None = None) -> dict:
-    return _request("POST", url, "/admin/controller", token, json={"action": action})
+def controller_action(url: str, action: str, token: str | None = None) -> ControllerView:
+    return ControllerView.model_validate(_request("POST", url, "/admin/controller", token, json={"action": action}))
 
 
-def format_controller(view: dict | None) -> str:
+def _fmt(x: float | None, scale: float = 1.0, unit: str = "") -> str:
+    return "-" if x is None else f"{scale * x:.1f}{unit}"
+
+
+def format_controller(view: ControllerView | None) -> str:
     if view is None:
         return "controller: not running"
-    lines = [f"controller: {'PAUSED' if view['paused'] else 'active'}; {view['decisions']} decisions, "
-             f"{view['policies_pushed']} policies pushed"
-             + ("; resumed from checkpoint" if view["restored_from_checkpoint"] else "")]
-    for model_id, fit in view["step_time_models"].items():
-        mape = f"{100 * fit['holdout_mape']:.1f}%" if fit["holdout_mape"] is not None else "-"
-        lines.append(f"  step-time model {model_id}: {fit['kind']}, {fit['samples']} steps, "
-                     f"held-out error {mape}")
-    for r in view["replicas"]:
-        fmt = lambda x, scale=1.0, unit="": "-" if x is None else f"{scale * x:.1f}{unit}"
+    lines = [f"controller: {'PAUSED' if view.paused else 'active'}; {view.decisions} decisions, "
+             f"{view.policies_pushed} policies pushed"
+             + ("; resumed from checkpoint" if view.restored_from_checkpoint else "")]
+    for model_id, fit in view.step_time_models.items():
+        mape = f"{100 * fit.holdout_mape:.1f}%" if fit.holdout_mape is not None else "-"
+        lines.append(f"  step-time model {model_id}: {fit.kind}, {fit.samples} steps, held-out error {mape}")
+    for r in view.replicas:
         lines += [
-            f"  replica {r['replica_id']}: rate {r['arrival_rate']:.2f} req/s, batch {r['mean_batch']:.1f}, "
-            f"output {r['output_tokens']:.0f} tokens/request",
-            f"    acceptance per position: {' '.join(f'{p:.2f}' for p in r['conditional_acceptance'])}",
-            f"    in force: {r['policy_in_force']}   chosen: {r['chosen_policy'] or '-'} "
-            f"(decision {fmt(r['decision_ms'], unit=' ms')})",
-            f"    step time measured {fmt(r['measured_step_s'], 1000, ' ms')}, "
-            f"predicted {fmt(r['predicted_step_s'], 1000, ' ms')}; predicted batch "
-            f"{fmt(r['operating_batch'])}, latency {fmt(r['predicted_latency_s'], unit=' s')} "
-            f"(measured {fmt(r['measured_latency_s'], unit=' s')})",
+            f"  replica {r.replica_id}: rate {r.arrival_rate:.2f} req/s, batch {r.mean_batch:.1f}, "
+            f"output {r.output_tokens:.0f} tokens/request",
+            f"    acceptance per position: {' '.join(f'{p:.2f}' for p in r.conditional_acceptance)}",
+            f"    in force: {r.policy_in_force}   chosen: {r.chosen_policy or '-'} "
+            f"(decision {_fmt(r.decision_ms, unit=' ms')})",
+            f"    step time measured {_fmt(r.measured_step_s, 1000, ' ms')}, "
+            f"predicted {_fmt(r.predicted_step_s, 1000, ' ms')}; predicted batch "
+            f"{_fmt(r.operating_batch)}, latency {_fmt(r.predicted_latency_s, unit=' s')} "
+            f"(measured {_fmt(r.measured_latency_s, unit=' s')})",
         ]
-        for c in r["latency_fits"]:
-            fit = c["fit"]
+        for c in r.latency_fits:
+            fit = c.fit
             lines.append(
-                f"    latency fit {fit['config']}: C1 {c['c1_s']:.2f} s + B x C2 {c['c2_s']:.3f} s "
-                f"({fit['samples']} requests, batch {fit['batch_lo']:.1f}-{fit['batch_hi']:.1f}, "
-                f"error {100 * fit['relative_error']:.0f}%); saturates at {fmt(c['saturation_rate'], unit=' req/s')}"
-                + ("" if fit["config"] == "off" else f", slower than off beyond {fmt(c['break_even_rate'], unit=' req/s')}"))
+                f"    latency fit {fit.config}: C1 {c.c1_s:.2f} s + B x C2 {c.c2_s:.3f} s "
+                f"({fit.samples} requests, batch {fit.batch_lo:.1f}-{fit.batch_hi:.1f}, "
+                f"error {100 * fit.relative_error:.0f}%); saturates at {_fmt(c.saturation_rate, unit=' req/s')}"
+                + ("" if fit.config.is_off else f", slower than off beyond {_fmt(c.break_even_rate, unit=' req/s')}"))
     return "\n".join(lines)
 
 

@@ -16,6 +16,7 @@ import ray
 from serve_app.admin_client import format_controller
 from adaspec.policy import SpecConfig
 from controller.actor import CHECKPOINT_FILE, NAMESPACE, get_controller
+from controller.core import ControllerView
 from tests.conftest import MODEL, URL, replica_status, set_controller, wait_until
 
 pytestmark = pytest.mark.slow
@@ -132,7 +133,7 @@ def test_k_follows_the_load(client):
     fits = [c for c in replica["latency_fits"] if c["fit"]["samples"] >= 8]
     assert fits, replica["latency_fits"]
     assert replica["measured_latency_s"] > 0
-    print("\n" + format_controller(view))
+    print("\n" + format_controller(ControllerView.model_validate(view)))
 
 
 def _view_or_none():
