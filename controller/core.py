@@ -9,12 +9,15 @@ replica an acceptance model and load estimates (arrival rate, batch, output leng
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
+from typing import Annotated
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict
 
 from adaspec.policy import SpecConfig, SpecPolicy
 from adaspec.telemetry import EngineCapabilities, ReplicaTelemetry, RequestRecord, StepRecord, read_profile
@@ -37,6 +40,11 @@ VIEW_STEPS = 64  # steps kept per replica to compare predicted and measured step
 LATENCY_WINDOW = 256  # finished requests kept per (deployment, config) for the latency fit
 
 
+# JSON has no infinity: pydantic writes inf as null, and a view read back (the CLI, through
+# the admin route) turns null into inf again.
+Unbounded = Annotated[float, BeforeValidator(lambda v: math.inf if v is None else v)]
+
+
 class ConfigLatency(BaseModel):
     """A config's measured latency curve, scaled to this replica's output length."""
 
@@ -45,8 +53,8 @@ class ConfigLatency(BaseModel):
     fit: LatencyFit
     c1_s: float  # latency of a lone request (seconds)
     c2_s: float  # latency added per concurrent request (seconds)
-    saturation_rate: float  # requests/s where latency diverges
-    latency_at_rate_s: float  # L = C1 / (1 - rate * C2) at the replica's arrival rate
+    saturation_rate: Unbounded  # requests/s where latency diverges (inf: never)
+    latency_at_rate_s: Unbounded  # L = C1 / (1 - rate * C2) at the replica's arrival rate (inf: saturated)
     break_even_rate: float | None  # requests/s beyond which this config is slower than off
 
 

@@ -177,3 +177,20 @@ def test_checkpoint_from_before_latency_fits_still_loads():
     restored = ControllerCore(ControllerConfig(enabled=True))
     restored.load_state(pickle.loads(pickle.dumps(state)))
     assert restored.view(now=2.0).replicas[0].latency_fits == []
+
+
+def test_view_with_unbounded_values_survives_json():
+    """A latency fit that never saturates has saturation_rate inf, which JSON carries as null:
+    `adaspec status` reads the admin route's JSON back into a ControllerView."""
+    import math
+
+    from controller.core import ConfigLatency
+    from controller.latency import LatencyFit
+
+    fit = LatencyFit(config=SpecConfig.chain(4), samples=8, batch_lo=1.0, batch_hi=1.0, c1_per_token_s=0.06,
+                     c2_per_token_s=0.0, relative_error=0.1)
+    row = ConfigLatency(fit=fit, c1_s=8.0, c2_s=0.0, saturation_rate=math.inf, latency_at_rate_s=math.inf,
+                        break_even_rate=None)
+    back = ConfigLatency.model_validate_json(row.model_dump_json())
+    assert back.saturation_rate == math.inf and back.latency_at_rate_s == math.inf
+    assert back.fit.config == SpecConfig.chain(4)
