@@ -41,6 +41,7 @@ from distill import DistillError
 from adaspec.models import BUNDLED_DRAFTS, EMBEDDED_MODELS, ModelError, prepare_model
 from adaspec.policy import PolicyError, SpecPolicy
 from cli.serve_config import ConfigError
+from controller.checkpoint_file import CheckpointError
 
 
 def _cmd_prepare_models(args: argparse.Namespace) -> int:
@@ -135,7 +136,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
-    from controller.actor import CHECKPOINT_FILE, checkpoint_dir
+    from controller.checkpoint_file import CHECKPOINT_FILE, LEGACY_FILE, checkpoint_dir
     from controller.config import ControllerConfig
     from controller.simulate import SimulatedEngine, engine_from_checkpoint, engine_from_profile, simulate
     from controller.step_time import StepTimeModel
@@ -145,6 +146,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         source = f"profile {args.profile}"
     else:
         ckpt = Path(args.checkpoint) if args.checkpoint else checkpoint_dir(ControllerConfig()) / CHECKPOINT_FILE
+        if not args.checkpoint and not ckpt.is_file() and ckpt.with_name(LEGACY_FILE).is_file():
+            ckpt = ckpt.with_name(LEGACY_FILE)  # not converted yet: reading it says how
         if ckpt.is_file():
             engine = engine_from_checkpoint(str(ckpt), args.max_batch, args.max_k)
             source = f"controller checkpoint {ckpt}"
@@ -486,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ModelError, PolicyError, ConfigError, admin_client.AdminError, DistillError, FileNotFoundError,
-            UsageError) as e:
+            UsageError, CheckpointError) as e:
         print(f"adaspec: error: {e}", file=sys.stderr)
         return 2
 

@@ -2,40 +2,30 @@
 
 Replicas call `report(telemetry)` every control period and apply the policy it returns (if
 any); a replica that stops reporting is dropped. The actor refits step-time models in a
-thread and checkpoints its state every few periods, so a restarted actor (Ray restarts it
-after a crash, `max_restarts=-1`) resumes with its models and policies. While it is down,
-replicas keep serving on their last policy.
+thread and checkpoints its state every few periods (controller.checkpoint_file), so a
+restarted actor (Ray restarts it after a crash, `max_restarts=-1`) resumes with its models and
+policies. While it is down, replicas keep serving on their last policy.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import pickle
 import time
-from pathlib import Path
 
 import ray
 
 from adaspec.policy import SpecPolicy
 from adaspec.telemetry import ReplicaTelemetry
+from controller.checkpoint_file import CHECKPOINT_FILE, checkpoint_dir, resume, write_checkpoint
 from controller.config import ControllerConfig
 from controller.core import ControllerCore, ControllerView
 
 CONTROLLER_NAME = "adaspec-controller"
 NAMESPACE = "adaspec"
-CHECKPOINT_FILE = "controller.pkl"
 CHECKPOINT_EVERY_PERIODS = 5
 
 logger = logging.getLogger("adaspec.controller")
-
-
-def checkpoint_dir(config: ControllerConfig) -> Path:
-    """config.checkpoint_dir, else $ADASPEC_CONTROLLER_DIR, else ~/.cache/adaspec/controller."""
-    root = (config.checkpoint_dir or os.environ.get("ADASPEC_CONTROLLER_DIR")
-            or os.path.join(Path.home(), ".cache", "adaspec", "controller"))
-    return Path(root).expanduser()
 
 
 @ray.remote(num_cpus=0, max_restarts=-1)
@@ -43,13 +33,15 @@ class ControllerActor:
     def __init__(self, config: ControllerConfig):
         self.config = config
         self.core = ControllerCore(config)
-        self.path = checkpoint_dir(config) / CHECKPOINT_FILE
-        if self.path.is_file():
-            try:
-                self.core.load_state(pickle.loads(self.path.read_bytes()))
+        directory = checkpoint_dir(config)
+        self.path = directory / CHECKPOINT_FILE
+        try:
+            if resume(self.core, directory):
                 logger.info("adaspec controller: resumed from %s", self.path)
-            except Exception:  # a corrupt checkpoint must not keep the controller down
-                logger.exception("adaspec controller: cannot read %s; starting fresh", self.path)
+        except Exception:  # a checkpoint must not keep the controller down, whatever it holds
+            self.core = ControllerCore(config)
+            logger.exception("adaspec controller: cannot resume from %s; starting fresh", self.path)
+        self._writing = asyncio.Lock()  # one checkpoint write at a time, in order
         self._upkeep: asyncio.Task | None = None
 
     def _ensure_upkeep(self) -> None:
@@ -92,16 +84,13 @@ class ControllerActor:
         return self.core.view()
 
     async def checkpoint(self) -> str:
-        data = pickle.dumps(self.core.state())
-        await asyncio.to_thread(_write_atomically, self.path, data)
+        async with self._writing:  # so an older snapshot never lands after a newer one
+            # The snapshot is taken on the event loop, where no report can change the models
+            # mid-copy; serializing it (the booster's text: hundreds of ms) and the write run
+            # in a thread.
+            ckpt = self.core.state()
+            await asyncio.to_thread(write_checkpoint, self.path, ckpt)
         return str(self.path)
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp-{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def get_or_create_controller(config: ControllerConfig):

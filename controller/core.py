@@ -22,6 +22,15 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict
 from adaspec.policy import SpecConfig, SpecPolicy
 from adaspec.telemetry import EngineCapabilities, ReplicaTelemetry, RequestRecord, StepRecord, read_profile
 from controller.acceptance import AcceptanceModel, expected_accepted_length
+from controller.checkpoint import (
+    AcceptanceState,
+    ConfigRequests,
+    ControllerCheckpoint,
+    DeploymentState,
+    ReplicaState,
+    SeenSteps,
+    StepTimeState,
+)
 from controller.config import ControllerConfig
 from controller.latency import LatencyFit, break_even_rate, fit_request_latency
 from controller.policy_search import (
@@ -112,6 +121,8 @@ def _ema(old: float | None, new: float, dt: float, half_life: float) -> float:
     return old + a * (new - old)
 
 
+# _Replica and _Deployment keep their names and module: a pickle checkpoint of an earlier
+# version names them (controller.checkpoint_file converts one once).
 @dataclass
 class _Replica:
     model_id: str
@@ -138,6 +149,23 @@ class _Replica:
     def measured_latency_s(self) -> float | None:
         return self.latency_sum / self.latency_count if self.latency_count >= 1.0 else None
 
+    def checkpoint(self) -> ReplicaState:
+        return ReplicaState(
+            model_id=self.model_id, capabilities=self.capabilities, policy_in_force=self.policy_in_force,
+            last_seen=self.last_seen, acceptance=AcceptanceState.of(self.acceptance), rate=self.rate,
+            batch=self.batch, generated=self.generated, finished=self.finished, latency_sum=self.latency_sum,
+            latency_count=self.latency_count, recent_steps=self.recent_steps, last_probe=self.last_probe)
+
+    @classmethod
+    def restore(cls, state: ReplicaState, half_life_s: float) -> _Replica:
+        """`half_life_s`: the acceptance model's, from the controller's config."""
+        return cls(
+            model_id=state.model_id, capabilities=state.capabilities,
+            acceptance=state.acceptance.model(half_life_s), policy_in_force=state.policy_in_force,
+            last_seen=state.last_seen, rate=state.rate, batch=state.batch, generated=state.generated,
+            finished=state.finished, latency_sum=state.latency_sum, latency_count=state.latency_count,
+            recent_steps=list(state.recent_steps), last_probe=state.last_probe)
+
 
 @dataclass
 class _Deployment:
@@ -157,6 +185,26 @@ class _Deployment:
         fits = {c: fit_request_latency(c, list(rs)) for c, rs in self.requests.items()}
         return {c: f for c, f in fits.items() if f is not None}
 
+    def checkpoint(self) -> DeploymentState:
+        """The costs are left out: rebuilt from the step-time model on the next decision."""
+        return DeploymentState(
+            step_model=StepTimeState.of(self.step_model),
+            seen=[SeenSteps(batch_lo=lo, config=c, steps=n) for (lo, c), n in self.seen.items()],
+            context_per_seq=self.context_per_seq, prefill_per_step=self.prefill_per_step,
+            proposal_rate=self.proposal_rate, model_version=self.model_version,
+            samples_at_fit=self.samples_at_fit,
+            requests=[ConfigRequests(config=c, records=list(rs)) for c, rs in self.requests.items()])
+
+    @classmethod
+    def restore(cls, state: DeploymentState) -> _Deployment:
+        return cls(
+            step_model=state.step_model.model(),
+            seen={(s.batch_lo, s.config): s.steps for s in state.seen},
+            context_per_seq=state.context_per_seq, prefill_per_step=state.prefill_per_step,
+            proposal_rate=state.proposal_rate, model_version=state.model_version,
+            samples_at_fit=state.samples_at_fit,
+            requests={r.config: deque(r.records, maxlen=LATENCY_WINDOW) for r in state.requests})
+
 
 def _config_latencies(fits: dict[SpecConfig, LatencyFit], output_tokens: float, rate: float) -> list[ConfigLatency]:
     off = fits.get(SpecConfig.off())
@@ -169,14 +217,6 @@ def _config_latencies(fits: dict[SpecConfig, LatencyFit], output_tokens: float, 
         out.append(ConfigLatency(fit=fit, c1_s=coef.c1_s, c2_s=coef.c2_s, saturation_rate=coef.saturation_rate,
                                  latency_at_rate_s=coef.mean_latency(rate), break_even_rate=even))
     return out
-
-
-def _add_missing_fields(obj) -> None:
-    """Give an object unpickled from an older checkpoint the fields added since."""
-    for f in dataclasses.fields(obj):
-        if not hasattr(obj, f.name):
-            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            setattr(obj, f.name, default)
 
 
 class ControllerCore:
@@ -372,19 +412,18 @@ class ControllerCore:
             step_time_models={m: d.step_model.report for m, d in self.deployments.items()})
 
     # ------------------------------------------------------------------ checkpoint
-    def state(self) -> dict:
-        """Everything a restarted controller needs (picklable)."""
-        return {"replicas": self.replicas, "deployments": self.deployments, "paused": self.paused,
-                "decisions": self.decisions, "pushed": self.pushed}
+    def state(self) -> ControllerCheckpoint:
+        """Everything a restarted controller needs (controller.checkpoint). A snapshot: its
+        lists are copies, so it can be written out in a thread while reports go on."""
+        return ControllerCheckpoint(
+            replicas={rid: rep.checkpoint() for rid, rep in self.replicas.items()},
+            deployments={model_id: dep.checkpoint() for model_id, dep in self.deployments.items()},
+            paused=self.paused, decisions=self.decisions, pushed=self.pushed)
 
-    def load_state(self, state: dict) -> None:
-        self.replicas = state["replicas"]
-        self.deployments = state["deployments"]
-        for obj in [*self.replicas.values(), *self.deployments.values()]:
-            _add_missing_fields(obj)
-        self.paused = state["paused"]
-        self.decisions = state["decisions"]
-        self.pushed = state["pushed"]
-        for dep in self.deployments.values():
-            dep.costs = None  # rebuilt from the restored model
+    def load_state(self, ckpt: ControllerCheckpoint) -> None:
+        """Resume from a checkpoint: its models, load estimates and policies in force."""
+        replicas = {rid: _Replica.restore(r, self.config.half_life_s) for rid, r in ckpt.replicas.items()}
+        deployments = {model_id: _Deployment.restore(d) for model_id, d in ckpt.deployments.items()}
+        self.replicas, self.deployments = replicas, deployments  # all or nothing
+        self.paused, self.decisions, self.pushed = ckpt.paused, ckpt.decisions, ckpt.pushed
         self.restored = True

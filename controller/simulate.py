@@ -17,6 +17,7 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pydantic import BaseModel
 
@@ -229,15 +230,16 @@ def engine_from_profile(path: str, max_batch: int, max_k: int) -> SimulatedEngin
 
 
 def engine_from_checkpoint(path: str, max_batch: int | None = None, max_k: int | None = None) -> SimulatedEngine:
-    """The step-time model and one replica's acceptance from a controller checkpoint."""
-    import pickle
+    """The step-time model and one replica's acceptance from a controller checkpoint;
+    CheckpointError for a file that cannot be used (an old pickle one included)."""
+    from controller.checkpoint_file import CheckpointError, read_checkpoint
 
-    with open(path, "rb") as f:
-        state = pickle.load(f)
-    if not state["deployments"]:
-        raise ValueError(f"{path}: the checkpoint holds no fitted model yet")
-    model_id, dep = next(iter(state["deployments"].items()))
-    reps = [r for r in state["replicas"].values() if r.model_id == model_id]
+    core = ControllerCore(ControllerConfig())
+    core.load_state(read_checkpoint(Path(path)))
+    if not core.deployments:
+        raise CheckpointError(f"{path}: the checkpoint holds no fitted model yet")
+    model_id, dep = next(iter(core.deployments.items()))
+    reps = [r for r in core.replicas.values() if r.model_id == model_id]
     caps = reps[0].capabilities if reps else None
     max_batch = max_batch or (caps.max_batch_size if caps else 64)
     max_k = max_k or (caps.max_k if caps else 4)

@@ -55,6 +55,12 @@ class FitReport:
     holdout_mape: float | None  # mean absolute percentage error on held-out steps
 
 
+# XGBoost's training parameters. A model saved as JSON keeps none of them, so a booster
+# loaded from a checkpoint takes its nthread from here (controller/checkpoint.py).
+XGB_PARAMS = {"max_depth": 4, "eta": 0.05, "subsample": 0.9, "tree_method": "hist",
+              "objective": "reg:squarederror", "nthread": 1, "seed": 0}
+
+
 def _roofline_design(x: np.ndarray) -> np.ndarray:
     """Columns of the linear roofline: fixed cost, target tokens, KV reads, prefill, drafting."""
     batch, tokens, passes, context, prefill = x.T
@@ -109,12 +115,10 @@ class StepTimeModel:
         if kind == "xgboost":
             import xgboost
 
-            params = {"max_depth": 4, "eta": 0.05, "subsample": 0.9, "tree_method": "hist",
-                      "objective": "reg:squarederror", "nthread": 1, "seed": 0}
             # Relative error matters (a 5 ms step and a 500 ms step alike): fit log time,
             # as a correction on top of the roofline.
             data = xgboost.DMatrix(x, label=np.log(y), base_margin=self._log_roofline(x))
-            self.booster = xgboost.train(params, data, num_boost_round=300)
+            self.booster = xgboost.train(XGB_PARAMS, data, num_boost_round=300)
         return self.predict
 
     def predict(self, x: np.ndarray | list[list[float]]) -> np.ndarray:

@@ -4,13 +4,12 @@ dropped, a checkpoint restores models and policies."""
 
 from __future__ import annotations
 
-import pickle
-
 import numpy as np
 import pytest
 
 from adaspec.policy import SpecConfig, SpecPolicy
 from adaspec.telemetry import EngineCapabilities, ReplicaTelemetry, RequestRecord, StepRecord
+from controller.checkpoint import ControllerCheckpoint
 from controller.config import ControllerConfig
 from controller.core import ControllerCore
 from tests.test_controller_math import synthetic_step_time
@@ -63,6 +62,11 @@ class SimulatedReplica:
         return t
 
 
+def json_round_trip(core: ControllerCore) -> ControllerCheckpoint:
+    """The core's checkpoint, written as JSON and read back (as a restarted controller does)."""
+    return ControllerCheckpoint.model_validate_json(core.state().model_dump_json())
+
+
 def test_controller_speculates_at_low_load_and_stops_at_high_load():
     core = ControllerCore(ControllerConfig(enabled=True, half_life_s=5.0, hysteresis=0.03))
     replica = SimulatedReplica("r1", alpha=0.6)
@@ -107,9 +111,8 @@ def test_checkpoint_restores_models_and_policies():
     core = ControllerCore(ControllerConfig(enabled=True, half_life_s=5.0))
     replica = SimulatedReplica("r1", alpha=0.6)
     t = replica.run(core, 0.0, periods=20, batch=4, arrivals=3)
-    blob = pickle.dumps(core.state())
     restored = ControllerCore(ControllerConfig(enabled=True, half_life_s=5.0))
-    restored.load_state(pickle.loads(blob))
+    restored.load_state(json_round_trip(core))
     assert restored.restored
     before, after = core.view(now=t), restored.view(now=t)
     assert after.replicas[0].policy_in_force == before.replicas[0].policy_in_force
@@ -163,21 +166,8 @@ def test_latency_is_fitted_per_config_from_finished_requests():
     assert view.measured_latency_s is not None and view.measured_latency_s > 0
     # The fits live in the checkpoint.
     restored = ControllerCore(ControllerConfig(enabled=True))
-    restored.load_state(pickle.loads(pickle.dumps(core.state())))
+    restored.load_state(json_round_trip(core))
     assert restored.view(now=t).replicas[0].latency_fits == view.latency_fits
-
-
-def test_checkpoint_from_before_latency_fits_still_loads():
-    core = ControllerCore(ControllerConfig(enabled=True))
-    replica = SimulatedReplica("r1", alpha=0.6)
-    core.observe(replica.telemetry(0.0, 1.0, 2, 1), now=1.0)
-    state = core.state()
-    del state["deployments"]["m"].__dict__["requests"]  # as pickled by the previous version
-    del state["replicas"]["r1"].__dict__["latency_sum"]
-    restored = ControllerCore(ControllerConfig(enabled=True))
-    restored.load_state(pickle.loads(pickle.dumps(state)))
-    assert restored.view(now=2.0).replicas[0].latency_fits == []
-
 
 def test_view_with_unbounded_values_survives_json():
     """A latency fit that never saturates has saturation_rate inf, which JSON carries as null:
