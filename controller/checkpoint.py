@@ -20,6 +20,7 @@ is made by `model_dump_json`, which the actor runs in a thread.
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Any, Literal
 
 import numpy as np
@@ -51,9 +52,11 @@ def _load_booster(value: Any):
     return booster
 
 
+@functools.lru_cache(maxsize=4)
 def _booster_text(booster) -> str:
     # Read only: a booster is replaced on refit, never changed, so the actor's thread may
-    # write it out while the event loop predicts with it.
+    # write it out while the event loop predicts with it, and a checkpoint every few seconds
+    # makes its text once per fit (cached by identity), not every time.
     return booster.save_raw(raw_format="json").decode()
 
 
