@@ -120,9 +120,10 @@ def _sharegpt() -> list[Prompt]:
             for r in sharegpt_conversations()]
 
 
-def load_prompts(dataset: str, num_prompts: int | None = None, seed: int = 0, split: Split = "all",
+def load_prompts(dataset: str, num_prompts: int | None = None, seed: int | None = 0, split: Split = "all",
                  max_prompt_chars: int | None = 4000) -> list[Prompt]:
-    """`num_prompts` prompts of `dataset` (all when None) in a seeded random order.
+    """`num_prompts` prompts of `dataset` (all when None) in a seeded random order, or in the
+    dataset's own order when `seed` is None (HumanEval's task order: "the first n prompts").
     Prompts longer than `max_prompt_chars` are skipped (the embedded model's context is
     2,048 tokens)."""
     if dataset == "sharegpt":
@@ -135,7 +136,8 @@ def load_prompts(dataset: str, num_prompts: int | None = None, seed: int = 0, sp
         prompts = [p for p in prompts if split_of(p.id) == split]
     if max_prompt_chars is not None:
         prompts = [p for p in prompts if len(p.text) <= max_prompt_chars]
-    random.Random(seed).shuffle(prompts)
+    if seed is not None:
+        random.Random(seed).shuffle(prompts)
     if num_prompts is not None:
         if num_prompts > len(prompts):
             raise DatasetError(f"{dataset} ({split}) has {len(prompts)} prompts, {num_prompts} requested")

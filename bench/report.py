@@ -208,6 +208,7 @@ def write_report(out: Path) -> Path:
         f"Machine: {mach['cpu']}, {mach['cores']} cores, {mach['memory_gib']} GiB, {mach['platform']}; "
         f"load average at start {', '.join(f'{x:.1f}' for x in mach['loadavg_1_5_15'])}"
         + (f", at end {', '.join(f'{x:.1f}' for x in mach['loadavg_at_end'])}" if mach.get("loadavg_at_end") else "")
+        + (f"; CPU steal {100 * mach['cpu_steal_fraction']:.0f}%" if mach.get("cpu_steal_fraction") is not None else "")
         + f"; run {mach['date_utc']} UTC.",
     ]
     if mach.get("busy_processes"):

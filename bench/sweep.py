@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import platform
 import shlex
 import sys
 import tempfile
@@ -33,6 +31,7 @@ import yaml
 from pydantic import BaseModel, Field
 
 from serve_app import admin_client
+from bench import machine
 from bench.serve_process import ServeProcess
 from bench.client import arrival_times
 from adaspec.datasets import load_prompts
@@ -64,33 +63,6 @@ class SweepRun(BaseModel):
     table: str | None
     order: int = Field(description="position in the sweep (0 = first run)")
     result: BenchResult
-
-
-def machine() -> dict:
-    """What ran it: CPU, cores, memory, load, and who else used the CPU at the start."""
-    import psutil
-
-    cpu = platform.processor()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    busy = []
-    for p in psutil.process_iter(["pid", "name", "cpu_percent", "nice", "cmdline"]):
-        busy.append(p)
-    time.sleep(1.0)
-    top = []
-    for p in busy:
-        try:
-            pct = p.cpu_percent(None)
-            if pct >= 20:
-                top.append(f"{pct:.0f}% nice {p.info['nice']} {' '.join(p.info['cmdline'] or [p.info['name']])[:120]}")
-        except Exception:  # noqa: BLE001 - processes come and go
-            continue
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
-            "platform": platform.platform(), "python": platform.python_version(),
-            "loadavg_1_5_15": os.getloadavg(), "busy_processes": top,
-            "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
 
 
 def prepare_config(config: Path, out: Path, max_k: int, profile: str | None) -> tuple[Path, str, str, list[str]]:
@@ -146,7 +118,7 @@ class Sweep:
         self.out = Path(settings.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.doc: dict = {"command": " ".join(shlex.quote(a) for a in command), "settings": settings.model_dump(),
-                          "policies": {p.name: p.table for p in policies}, "machine": machine(),
+                          "policies": {p.name: p.table for p in policies}, "machine": machine.describe(),
                           "runs": [], "phase_change": None, "cross_check": None, "notes": []}
         self.url = ""
         self.model = ""
@@ -237,9 +209,7 @@ class Sweep:
                     pass
                 survivors = server.stop()
                 self.log(f"deployment stopped; engine processes killed after graceful shutdown: {survivors or 'none'}")
-        end = machine()
-        self.doc["machine"]["loadavg_at_end"] = end["loadavg_1_5_15"]
-        self.doc["machine"]["busy_processes_at_end"] = end["busy_processes"]
+        self.doc["machine"].update(machine.at_end(self.doc["machine"]))
         self.save()
         return self.doc
 

