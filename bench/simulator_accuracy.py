@@ -22,8 +22,9 @@ from adaspec.datasets import Prompt
 from adaspec.telemetry import EngineCapabilities, ProfiledStep, read_profile
 from bench.client import arrival_times, run_load
 from serve_app import admin_client
-from controller.simulate import SimulatedEngine, measured_acceptance, measured_proposal_rate, simulate
-from controller.step_time import StepTimeModel
+from controller.acceptance import measured_acceptance, measured_proposal_rate
+from controller.simulate import SimulatedEngine, simulate
+from controller.step_time import StepTimeModel, measured_context_per_seq
 
 PROMPT = "Write a short story about a cat who learns to fly."
 
@@ -86,9 +87,9 @@ def main() -> None:
     rates = measured_acceptance(steps, caps.max_k)
     prefills = [s.prefill_tokens for s in steps if s.prefill_tokens]
     prompt_tokens = int(statistics.median(prefills)) if prefills else 16
-    context = sum(s.context_tokens for s in steps) / max(sum(s.batch_size for s in steps), 1)
-    proposal = measured_proposal_rate(steps)
-    engine = SimulatedEngine.from_models(model, rates, caps.max_batch_size, caps.max_k, context, model_id, proposal)
+    context = measured_context_per_seq(steps) or 0.0
+    engine = SimulatedEngine.from_models(model, rates, caps.max_batch_size, caps.max_k, context, model_id,
+                                         measured_proposal_rate(steps))
     rows = []
     for rate, real in measured.items():
         sim = simulate(engine, 1, duration_s=max(600.0, 200 / rate), rate=rate, policy=args.policy,
@@ -96,7 +97,7 @@ def main() -> None:
         rows.append({"rate": rate, "measured_s": real, "simulated_s": sim.mean_latency_s,
                      "ratio": sim.mean_latency_s / real})
     print(f"step-time model: {fit.kind}, held-out error {100 * (fit.holdout_mape or 0):.1f}% on {fit.samples} steps; "
-          f"acceptance per position {[round(r, 2) for r in rates]}, proposal rate {proposal:.2f}")
+          f"acceptance per position {[round(r, 2) for r in rates]}, proposal rate {engine.proposal_rate:.2f}")
     print("| rate (req/s) | measured mean latency (s) | simulated (s) | simulated / measured |")
     print("|---|---|---|---|")
     for r in rows:

@@ -110,6 +110,23 @@ def step_counts(step: StepRecord) -> tuple[np.ndarray, np.ndarray]:
     return reached, accepted
 
 
+def measured_proposal_rate(steps: list[StepRecord]) -> float | None:
+    """Share of decoding sequences that got a draft when the drafter was asked for one
+    (draft_k >= 1; an n-gram drafter may find none); None when it never was."""
+    eligible = sum(s.num_decode_reqs for s in steps if s.draft_k >= 1)
+    if not eligible:
+        return None
+    return min(sum(s.num_drafts for s in steps if s.draft_k >= 1) / eligible, 1.0)
+
+
+def measured_acceptance(steps: list[StepRecord], max_k: int) -> list[float]:
+    """Conditional acceptance per position over all `steps`, undecayed, proposal failures
+    counted as rejections (AcceptanceModel's estimator)."""
+    model = AcceptanceModel(half_life_s=1e12, prior_weight=1e-6)
+    model.update(steps)
+    return model.conditional_rates()[:max_k, 0].tolist()
+
+
 def marginal_from_conditional(p: np.ndarray) -> np.ndarray:
     """q[d][r] = p[d][r] * prod_{r' < r} (1 - p[d][r'])."""
     rejected_before = np.cumprod(np.concatenate([np.ones((p.shape[0], 1)), 1 - p[:, :-1]], axis=1), axis=1)

@@ -19,7 +19,8 @@ from adaspec.policy import SpecPolicy
 from adaspec.telemetry import ReplicaTelemetry
 from controller.checkpoint_file import CHECKPOINT_FILE, checkpoint_dir, resume, write_checkpoint
 from controller.config import ControllerConfig
-from controller.core import ControllerCore, ControllerView
+from controller.core import ControllerCore
+from controller.view import ControllerView
 
 CONTROLLER_NAME = "adaspec-controller"
 NAMESPACE = "adaspec"

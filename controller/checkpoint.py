@@ -141,7 +141,7 @@ class ConfigRequests(BaseModel):
 
 
 class ReplicaState(BaseModel):
-    """What the controller knows of one replica (controller.core's _Replica)."""
+    """What the controller knows of one replica (controller.state's Replica)."""
 
     model_config = _STATE
 
@@ -161,7 +161,7 @@ class ReplicaState(BaseModel):
 
 
 class DeploymentState(BaseModel):
-    """What the controller knows of one deployment (controller.core's _Deployment)."""
+    """What the controller knows of one deployment (controller.state's Deployment)."""
 
     model_config = _STATE
 

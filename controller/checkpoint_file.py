@@ -8,16 +8,18 @@ file that cannot be used.
   fresh: a bad file must not keep a restarted controller down (Ray would restart it into the
   same error, forever).
 - `controller.pkl`, the pickle earlier versions wrote, is converted once when no
-  `controller.json` exists: read, given the fields added since, written as `controller.json`,
-  and renamed `controller.pkl.converted`; one that cannot be converted is set aside like a bad
-  file.
+  `controller.json` exists: read (its classes found where they live now), given the fields
+  added since, written as `controller.json`, and renamed `controller.pkl.converted`; one
+  that cannot be converted is set aside like a bad file.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import logging
 import os
+import pickle
 import time
 from pathlib import Path
 
@@ -26,6 +28,7 @@ from pydantic import ValidationError
 from controller.checkpoint import FORMAT_VERSION, ControllerCheckpoint
 from controller.config import ControllerConfig
 from controller.core import ControllerCore
+from controller.state import Deployment, Replica
 
 CHECKPOINT_FILE = "controller.json"
 LEGACY_FILE = "controller.pkl"  # the pickle checkpoint of versions before format_version 1
@@ -144,13 +147,21 @@ def _convert_legacy(legacy: Path, path: Path) -> ControllerCheckpoint | None:
     return ckpt
 
 
+class _LegacyUnpickler(pickle.Unpickler):
+    """Finds the classes an old pickle names where they live now: controller.core's
+    _Replica and _Deployment are controller.state's Replica and Deployment."""
+
+    MOVED = {("controller.core", "_Replica"): Replica, ("controller.core", "_Deployment"): Deployment}
+
+    def find_class(self, module: str, name: str):
+        return self.MOVED.get((module, name)) or super().find_class(module, name)
+
+
 def convert_pickle(data: bytes) -> ControllerCheckpoint:
     """The checkpoint in a pickle of an earlier version: the dict its ControllerCore.state()
     returned, of controller.core's _Replica and _Deployment objects. Unpickling runs code, so
     this reads only the file the controller itself wrote, once."""
-    import pickle
-
-    state = pickle.loads(data)
+    state = _LegacyUnpickler(io.BytesIO(data)).load()
     for rep in state["replicas"].values():
         _add_missing_fields(rep)
         _add_missing_fields(rep.acceptance)

@@ -67,6 +67,15 @@ def batch_buckets(max_batch: int) -> list[tuple[int, int]]:
     return buckets
 
 
+def bucket_of(batch: int, max_batch: int) -> tuple[int, int]:
+    """The bucket (lo, hi) holding `batch`; the last one for a batch beyond max_batch."""
+    buckets = batch_buckets(max_batch)
+    for lo, hi in buckets:
+        if lo <= batch <= hi:
+            return lo, hi
+    return buckets[-1]
+
+
 def candidate_configs(max_k: int, supports_trees: bool) -> list[SpecConfig]:
     configs = [SpecConfig.off()] + [SpecConfig.chain(k) for k in range(1, max_k + 1)]
     if supports_trees:

@@ -23,11 +23,11 @@ from pydantic import BaseModel
 
 from adaspec.policy import SpecConfig, SpecPolicy
 from adaspec.telemetry import EngineCapabilities, ReplicaTelemetry, StepRecord
-from controller.acceptance import AcceptanceModel
+from controller.acceptance import measured_acceptance, measured_proposal_rate
 from controller.config import ControllerConfig
 from controller.core import ControllerCore
 from controller.policy_search import CostTable, candidate_configs
-from controller.step_time import StepTimeModel
+from controller.step_time import StepTimeModel, measured_context_per_seq
 
 
 @dataclass
@@ -46,10 +46,12 @@ class SimulatedEngine:
     @classmethod
     def from_models(cls, step_model: StepTimeModel, acceptance: list[float], max_batch: int, max_k: int,
                     context_per_seq: float = 300.0, model_id: str = "simulated",
-                    proposal_rate: float = 1.0) -> SimulatedEngine:
+                    proposal_rate: float | None = None) -> SimulatedEngine:
         """`acceptance`: conditional rates per position with proposal failures counted as
         rejections at the first (the controller's estimator); split here into the proposal
-        rate and the rate given a draft."""
+        rate and the rate given a draft. `proposal_rate` None (never measured): every
+        sequence gets a draft."""
+        proposal_rate = 1.0 if proposal_rate is None else proposal_rate
         configs = candidate_configs(max_k, supports_trees=False)
         table = CostTable.build(step_model, configs, max_batch, context_per_seq, 0.0, proposal_rate)
         coef = step_model.coef if step_model.coef is not None else step_model.prior_coef
@@ -224,9 +226,8 @@ def engine_from_profile(path: str, max_batch: int, max_k: int) -> SimulatedEngin
     model.add(steps)
     model.fit()
     rates = measured_acceptance(steps, max_k)
-    context = sum(s.context_tokens for s in steps) / max(sum(s.batch_size for s in steps), 1)
-    return SimulatedEngine.from_models(model, rates, max_batch, max_k, context, model_id,
-                                       measured_proposal_rate(steps))
+    return SimulatedEngine.from_models(model, rates, max_batch, max_k, measured_context_per_seq(steps) or 0.0,
+                                       model_id, measured_proposal_rate(steps))
 
 
 def engine_from_checkpoint(path: str, max_batch: int | None = None, max_k: int | None = None) -> SimulatedEngine:
@@ -245,19 +246,5 @@ def engine_from_checkpoint(path: str, max_batch: int | None = None, max_k: int |
     max_k = max_k or (caps.max_k if caps else 4)
     rates = reps[0].acceptance.conditional_rates()[:max_k, 0].tolist() if reps else [0.3] * max_k
     return SimulatedEngine.from_models(dep.step_model, rates, max_batch, max_k,
-                                       dep.context_per_seq or 300.0, model_id,
-                                       1.0 if dep.proposal_rate is None else dep.proposal_rate)
+                                       dep.context_per_seq or 300.0, model_id, dep.proposal_rate)
 
-
-def measured_proposal_rate(steps: list[StepRecord]) -> float:
-    """Share of decoding sequences that got a draft when the drafter was asked for one."""
-    eligible = sum(s.num_decode_reqs for s in steps if s.draft_k >= 1)
-    return sum(s.num_drafts for s in steps if s.draft_k >= 1) / eligible if eligible else 1.0
-
-
-def measured_acceptance(steps: list[StepRecord], max_k: int) -> list[float]:
-    """Conditional acceptance per position over all `steps`, undecayed, proposal failures
-    counted as rejections (AcceptanceModel's estimator)."""
-    model = AcceptanceModel(half_life_s=1e12, prior_weight=1e-6)
-    model.update(steps)
-    return model.conditional_rates()[:max_k, 0].tolist()

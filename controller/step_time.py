@@ -47,6 +47,13 @@ def decode_features(batch: int, config: SpecConfig, context_per_seq: float,
             batch * context_per_seq, prefill_per_step]
 
 
+def measured_context_per_seq(steps: list[StepRecord]) -> float | None:
+    """KV tokens per sequence over `steps` (decode_features' context_per_seq); None when the
+    steps ran no sequence."""
+    seqs = sum(s.batch_size for s in steps)
+    return sum(s.context_tokens for s in steps) / seqs if seqs else None
+
+
 @dataclass
 class FitReport:
     kind: str  # prior | linear | xgboost

@@ -6,7 +6,7 @@ import httpx
 
 from adaspec.policy import PolicyAck
 from adaspec.telemetry import ReplicaTelemetry, summarize_acceptance
-from controller.core import ControllerView
+from controller.view import ControllerView
 
 
 class AdminError(RuntimeError):

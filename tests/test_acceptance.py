@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from controller.acceptance import (
     expected_accepted_length,
     iid_chain_expected_length,
     marginal_from_conditional,
+    measured_proposal_rate,
     ranks_and_depths,
     tree_expected_length,
 )
@@ -157,3 +159,12 @@ def test_model_learns_per_position_rates_and_forgets():
     model.decay_to(1000.0)
     assert model.reached[0, 0] == pytest.approx(model.min_evidence)
     assert abs(model.conditional_rates()[0, 0] - before) < abs(0.3 - before)
+
+
+def test_proposal_rate_counts_the_sequences_the_drafter_was_asked_for():
+    asked = dataclasses.replace(_step(1.0, 10, [6, 6], [3, 1]), num_drafts=6, draft_k=2)
+    unasked = dataclasses.replace(_step(2.0, 10, [], []), num_drafts=0, draft_k=0)
+    assert measured_proposal_rate([asked, unasked]) == pytest.approx(0.6)
+    assert measured_proposal_rate([unasked]) is None and measured_proposal_rate([]) is None
+    # More drafts than decoding sequences (a summarised record): still a share.
+    assert measured_proposal_rate([dataclasses.replace(asked, num_drafts=25)]) == 1.0

@@ -5,6 +5,7 @@ converted once. No Ray: the actor's file handling is `checkpoint_file.resume`.""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import pickle
@@ -12,6 +13,7 @@ import pickle
 import numpy as np
 import pytest
 
+import controller.core
 from controller.checkpoint import ControllerCheckpoint
 from controller.checkpoint_file import (
     CHECKPOINT_FILE,
@@ -23,6 +25,7 @@ from controller.checkpoint_file import (
 from controller.config import ControllerConfig
 from controller.core import ControllerCore
 from controller.simulate import engine_from_checkpoint
+from controller.state import Deployment, Replica
 from tests.test_controller_core import SimulatedReplica
 
 CONFIG = ControllerConfig(enabled=True, half_life_s=5.0)
@@ -130,15 +133,36 @@ def test_bad_checkpoint_is_set_aside_and_the_controller_starts_fresh(fitted, tmp
     assert not resume(ControllerCore(CONFIG), tmp_path)
 
 
+@contextlib.contextmanager
+def _named_as_before():
+    """Replica and Deployment under the names an earlier version gave them (controller.core's
+    _Replica and _Deployment), so that a pickle written meanwhile names what that one did."""
+    renamed = [(cls, cls.__module__, cls.__qualname__, old)
+               for cls, old in ((Replica, "_Replica"), (Deployment, "_Deployment"))]
+    for cls, _, _, old in renamed:
+        cls.__module__, cls.__qualname__ = "controller.core", old
+        setattr(controller.core, old, cls)
+    try:
+        yield
+    finally:
+        for cls, module, qualname, old in renamed:
+            delattr(controller.core, old)
+            cls.__module__, cls.__qualname__ = module, qualname
+
+
 def _old_pickle(core: ControllerCore) -> bytes:
     """The pickle an earlier version wrote: ControllerCore.state() returned this dict of the
     private dataclasses, and pickled as the version before the latency fits, without the
     fields added since."""
-    state = pickle.loads(pickle.dumps({"replicas": core.replicas, "deployments": core.deployments,
-                                       "paused": core.paused, "decisions": core.decisions, "pushed": core.pushed}))
-    del state["deployments"]["m"].__dict__["requests"]
-    del state["replicas"]["r1"].__dict__["latency_sum"]
-    return pickle.dumps(state)
+    with _named_as_before():
+        state = pickle.loads(pickle.dumps({"replicas": core.replicas, "deployments": core.deployments,
+                                           "paused": core.paused, "decisions": core.decisions,
+                                           "pushed": core.pushed}))
+        del state["deployments"]["m"].__dict__["requests"]
+        del state["replicas"]["r1"].__dict__["latency_sum"]
+        data = pickle.dumps(state)
+    assert b"controller.core" in data and b"_Replica" in data and b"controller.state" not in data
+    return data
 
 
 def test_old_pickle_is_converted_once(fitted, tmp_path, caplog):

@@ -174,7 +174,7 @@ def test_view_with_unbounded_values_survives_json():
     `adaspec status` reads the admin route's JSON back into a ControllerView."""
     import math
 
-    from controller.core import ConfigLatency
+    from controller.view import ConfigLatency
     from controller.latency import LatencyFit
 
     fit = LatencyFit(config=SpecConfig.chain(4), samples=8, batch_lo=1.0, batch_hi=1.0, c1_per_token_s=0.06,

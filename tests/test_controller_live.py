@@ -5,8 +5,8 @@ replicas."""
 from __future__ import annotations
 
 import threading
-from collections import Counter
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -17,7 +17,7 @@ from serve_app.admin_client import format_controller
 from adaspec.policy import SpecConfig
 from controller.actor import NAMESPACE, get_controller
 from controller.checkpoint_file import CHECKPOINT_FILE
-from controller.core import ControllerView
+from controller.view import ControllerView
 from tests.conftest import MODEL, URL, push_policy, replica_status, set_controller, wait_until
 
 pytestmark = pytest.mark.slow

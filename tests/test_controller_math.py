@@ -19,7 +19,7 @@ from controller.latency import (
     fit_latency_coefficients,
     operating_point,
 )
-from controller.policy_search import CostTable, Objective, batch_buckets, candidate_configs, search_policy
+from controller.policy_search import CostTable, Objective, batch_buckets, bucket_of, candidate_configs, search_policy
 from controller.step_time import StepTimeModel
 
 
@@ -145,6 +145,8 @@ def test_buckets_cover_every_batch():
     buckets = batch_buckets(100)
     assert buckets[0] == (1, 1) and buckets[-1][1] == 100
     assert all(b[0] == a[1] + 1 for a, b in zip(buckets, buckets[1:]))
+    assert all(bucket_of(b, 100) == bucket for bucket in buckets for b in range(bucket[0], bucket[1] + 1))
+    assert bucket_of(150, 100) == buckets[-1]
 
 
 def test_request_latency_fit_needs_requests_and_a_spread_of_batches():

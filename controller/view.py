@@ -1,0 +1,110 @@
+"""What the controller shows of itself (`adaspec status`, the /admin/controller route): per
+replica its load, acceptance, policies and how well the models predict it, built from the
+controller's state (controller.state) on each request.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated
+
+import numpy as np
+from pydantic import BaseModel, BeforeValidator, ConfigDict
+
+from adaspec.policy import SpecConfig
+from controller.latency import LatencyFit, break_even_rate
+from controller.policy_search import candidate_configs
+from controller.state import Deployment, Replica
+from controller.step_time import FitReport, step_features
+
+# JSON has no infinity: pydantic writes inf as null, and a view read back (the CLI, through
+# the admin route) turns null into inf again.
+Unbounded = Annotated[float, BeforeValidator(lambda v: math.inf if v is None else v)]
+
+
+class ConfigLatency(BaseModel):
+    """A config's measured latency curve, scaled to this replica's output length."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    fit: LatencyFit
+    c1_s: float  # latency of a lone request (seconds)
+    c2_s: float  # latency added per concurrent request (seconds)
+    saturation_rate: Unbounded  # requests/s where latency diverges (inf: never)
+    latency_at_rate_s: Unbounded  # L = C1 / (1 - rate * C2) at the replica's arrival rate (inf: saturated)
+    break_even_rate: float | None  # requests/s beyond which this config is slower than off
+
+
+class ReplicaView(BaseModel):
+    """The controller's view of one replica (for `adaspec status`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    replica_id: str
+    model_id: str
+    seconds_since_report: float
+    arrival_rate: float  # requests/s
+    mean_batch: float  # requests per step
+    output_tokens: float  # mean per request
+    conditional_acceptance: list[float]  # per position, chains
+    expected_length: dict[str, float]  # config -> predicted tokens per verify step
+    policy_in_force: str
+    chosen_policy: str | None
+    decision_ms: float | None
+    operating_batch: float | None
+    predicted_latency_s: float | None
+    measured_step_s: float | None  # mean over the last steps
+    predicted_step_s: float | None  # the model's prediction for the same steps
+    measured_latency_s: float | None  # mean request latency, recent requests (decayed)
+    latency_fits: list[ConfigLatency]  # per config, from the deployment's measured requests
+
+
+class ControllerView(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    paused: bool
+    restored_from_checkpoint: bool
+    decisions: int
+    policies_pushed: int
+    replicas: list[ReplicaView]
+    step_time_models: dict[str, FitReport]  # model id -> last fit
+
+
+def config_latencies(fits: dict[SpecConfig, LatencyFit], output_tokens: float, rate: float) -> list[ConfigLatency]:
+    """Each fitted config's latency curve at `output_tokens` per request and `rate`
+    requests/s, with its break-even rate against `off` where `off` has a fit too."""
+    off = fits.get(SpecConfig.off())
+    out = []
+    for config, fit in sorted(fits.items(), key=lambda item: str(item[0])):
+        coef = fit.coefficients(output_tokens)
+        even = None
+        if off is not None and not config.is_off:
+            even = break_even_rate(off.coefficients(output_tokens), coef)
+        out.append(ConfigLatency(fit=fit, c1_s=coef.c1_s, c2_s=coef.c2_s, saturation_rate=coef.saturation_rate,
+                                 latency_at_rate_s=coef.mean_latency(rate), break_even_rate=even))
+    return out
+
+
+def replica_view(replica_id: str, rep: Replica, dep: Deployment, fits: dict[SpecConfig, LatencyFit],
+                 now: float) -> ReplicaView:
+    """`fits`: the deployment's latency fits, made once for all its replicas."""
+    measured = predicted = None
+    if rep.recent_steps:
+        measured = float(np.mean([s.duration_s for s in rep.recent_steps]))
+        predicted = float(np.mean(dep.step_model.predict([step_features(s) for s in rep.recent_steps])))
+    d = rep.decision
+    rates = rep.acceptance.conditional_rates()[: rep.capabilities.max_k, 0]
+    configs = candidate_configs(rep.capabilities.max_k, rep.capabilities.supports_trees)
+    return ReplicaView(
+        replica_id=replica_id, model_id=rep.model_id, seconds_since_report=now - rep.last_seen,
+        arrival_rate=rep.rate or 0.0, mean_batch=rep.batch or 0.0,
+        output_tokens=rep.output_tokens or 0.0,
+        conditional_acceptance=[round(float(r), 4) for r in rates],
+        expected_length={str(c): round(rep.acceptance.expected_length(c), 4) for c in configs},
+        policy_in_force=str(rep.policy_in_force),
+        chosen_policy=str(d.policy) if d else None, decision_ms=1000 * d.elapsed_s if d else None,
+        operating_batch=d.operating_batch if d else None,
+        predicted_latency_s=d.predicted_latency_s if d else None,
+        measured_step_s=measured, predicted_step_s=predicted,
+        measured_latency_s=rep.measured_latency_s,
+        latency_fits=config_latencies(fits, rep.output_tokens or 128.0, rep.rate or 0.0))
