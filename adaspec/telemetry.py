@@ -179,6 +179,14 @@ def summarize_acceptance(steps: list[StepRecord]) -> AcceptanceSummary:
     return AcceptanceSummary(num_drafts=drafts, drafted_per_pos=drafted, accepted_per_pos=accepted)
 
 
+def decode_tokens_per_s(steps: list[StepRecord]) -> float:
+    """Tokens gained per second of step time over the steps without prefill: (sequences
+    decoded + draft tokens accepted) / step seconds; 0.0 when there are none."""
+    decode = [s for s in steps if not s.prefill_tokens]
+    seconds = sum(s.duration_s for s in decode)
+    return sum(s.num_decode_reqs + sum(s.accepted_per_pos) for s in decode) / seconds if seconds else 0.0
+
+
 _STEP = TypeAdapter(StepRecord)
 
 

@@ -47,7 +47,7 @@ import torch  # noqa: E402
 
 from adaspec.datasets import load_prompts  # noqa: E402
 from adaspec.policy import SpecPolicy  # noqa: E402
-from adaspec.telemetry import step_as_dict  # noqa: E402
+from adaspec.telemetry import decode_tokens_per_s, step_as_dict  # noqa: E402
 from bench import machine  # noqa: E402
 from bench.native_goals import OFF_AFTER_VLLM, compare_vllm, goal_checks, same_budget_bound, summarize  # noqa: E402
 from bench.vllm_baseline import run_vllm  # noqa: E402
@@ -120,13 +120,11 @@ def run_config(base: NativeEngine, shape: str, prompts: list[str], batch: int, m
     steps = engine.drain().steps
     # Steady state: pure decode steps with every row busy (no prompt joining, no tail).
     full = [s for s in steps if s.num_decode_reqs == batch and not s.prefill_tokens]
-    gained = sum(s.num_decode_reqs + sum(s.accepted_per_pos) for s in full)
-    full_s = sum(s.duration_s for s in full)
     decode = [s for s in steps if s.num_decode_reqs]
     return {
         "shape": shape, "batch": batch, "requests": len(prompts), "output_tokens": sum(len(o) for o in outputs),
         "wall_s": wall, "full_batch_steps": len(full),
-        "decode_tokens_per_s": gained / full_s if full_s else 0.0,  # at `batch` sequences, steady state
+        "decode_tokens_per_s": decode_tokens_per_s(full),  # at `batch` sequences, steady state
         "e2e_tokens_per_s": sum(len(o) for o in outputs) / wall,  # prefill, refills and tail included
         "median_step_ms": 1e3 * statistics.median(s.duration_s for s in full) if full else 0.0,
         # tokens gained per sequence per verify step (bonus included), over every decode step

@@ -8,12 +8,14 @@ Each cell drives `streams` closed-loop clients (greedy, ignore_eos, one prompt) 
 policy and measures, from the replica's step records, decode tokens per second of step time:
 (sequences decoded + draft tokens accepted) / step seconds, over steps without prefill.
 Rounds run the policies in alternating order, so drift of a noisy machine spreads over all.
-Writes results.json, a markdown table and a PNG.
+Writes results.json (with the machine's load and busy processes at start and end), a
+markdown table and a PNG.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import threading
@@ -26,17 +28,19 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from adaspec.telemetry import StepRecord  # noqa: E402
-from serve_app.admin_client import controller_action, set_policy, status  # noqa: E402
+from adaspec.telemetry import StepRecord, decode_tokens_per_s  # noqa: E402
+from bench import machine  # noqa: E402
+from bench.replica_probe import ReplicaProbe  # noqa: E402
+from serve_app.admin_client import controller_action, set_policy  # noqa: E402
 
 PROMPT = "Write a short story about a cat who learns to fly."  # the live controller test's
 
 
-def decode_tokens_per_s(steps: list[StepRecord]) -> float:
-    """(sequences decoded + accepted draft tokens) / step seconds, over decode-only steps."""
-    decode = [s for s in steps if not s.prefill_tokens]
-    tokens = sum(s.num_decode_reqs + sum(s.accepted_per_pos) for s in decode)
-    return tokens / sum(s.duration_s for s in decode)
+async def _steps_during(url: str, seconds: float) -> list[StepRecord]:
+    """Every replica step that ended in the next `seconds`."""
+    async with ReplicaProbe(url, period_s=1.0) as probe:
+        await asyncio.sleep(seconds)
+    return [s for steps in probe.steps.values() for s in steps.values()]
 
 
 def measure(url: str, model: str, streams: int, seconds: float, max_tokens: int) -> tuple[float, list[StepRecord]]:
@@ -53,16 +57,10 @@ def measure(url: str, model: str, streams: int, seconds: float, max_tokens: int)
     for t in threads:
         t.start()
     time.sleep(6)  # a warm-up: the batch fills and the previous policy's steps end
-    begin, seen = time.time(), {}
-    while time.time() - begin < seconds:
-        time.sleep(1)
-        for s in status(url)[0].steps:  # the replica keeps a window of steps; dedupe by end time
-            if s.time > begin:
-                seen[s.time] = s
+    steps = asyncio.run(_steps_during(url, seconds))
     stop.set()
     for t in threads:
         t.join()
-    steps = list(seen.values())
     return decode_tokens_per_s(steps), steps
 
 
@@ -80,6 +78,7 @@ def main() -> None:
     policies, streams = args.policies.split(","), [int(n) for n in args.streams.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     controller_action(args.url, "pause")
+    machine_at_start = machine.describe()
     cells = []
     for r in range(args.rounds):
         for n in streams:
@@ -91,8 +90,9 @@ def main() -> None:
                               "steps": len(steps), "median_batch": batch})
                 print(f"round {r + 1}/{args.rounds}, {n} streams, {policy}: {tps:.1f} tok/s "
                       f"({len(steps)} steps, median batch {batch:g})", flush=True)
-    (args.out / "results.json").write_text(json.dumps({"prompt": PROMPT, "args": {
-        k: str(v) for k, v in vars(args).items()}, "cells": cells}, indent=1))
+    (args.out / "results.json").write_text(json.dumps({
+        "prompt": PROMPT, "args": {k: str(v) for k, v in vars(args).items()},
+        "machine": {**machine_at_start, **machine.at_end(machine_at_start)}, "cells": cells}, indent=1))
     lines = ["| streams | " + " | ".join(policies) + " |", "|---" * (len(policies) + 1) + "|"]
     fig, axes = plt.subplots(1, len(streams), figsize=(4 * len(streams), 3.2))
     for ax, n in zip(axes if len(streams) > 1 else [axes], streams):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from adaspec.policy import SpecConfig, full_tree_parents
-from adaspec.telemetry import StepRecord
+from adaspec.telemetry import StepRecord, decode_tokens_per_s
 from controller.acceptance import (
     AcceptanceModel,
     best_tree,
@@ -168,3 +168,11 @@ def test_proposal_rate_counts_the_sequences_the_drafter_was_asked_for():
     assert measured_proposal_rate([unasked]) is None and measured_proposal_rate([]) is None
     # More drafts than decoding sequences (a summarised record): still a share.
     assert measured_proposal_rate([dataclasses.replace(asked, num_drafts=25)]) == 1.0
+
+
+def test_decode_tokens_per_s_counts_accepted_drafts_and_skips_prefill_steps():
+    # Two decode steps of 0.05 s: 4 sequences gaining 4 + (3 + 1) tokens, then 2 gaining 2 + 0.
+    steps = [_step(1.0, 4, [4, 4], [3, 1]), _step(2.0, 2, [2, 2], [0, 0])]
+    prefill = dataclasses.replace(_step(3.0, 4, [4, 4], [4, 4]), prefill_tokens=50, duration_s=1.0)
+    assert decode_tokens_per_s(steps + [prefill]) == pytest.approx((8 + 2) / 0.1)
+    assert decode_tokens_per_s([prefill]) == 0.0

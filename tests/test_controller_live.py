@@ -140,10 +140,10 @@ def test_k_follows_the_load(client):
     with Load(1):
         _, again = _phase(client, 1, 1, lambda seen, last: SpecConfig.parse(last).depth >= 1,
                           "the controller speculating for one stream again")
+    # The phases' conditions are the assertions: each fails the test if it does not come about.
     (replica,) = view.replicas
     print(f"\none stream: {low}; burst: tried {sorted(tried)}, settled on {busy}; one stream again: {again}; "
           f"burst step time measured {replica.measured_step_s:.3f} s, predicted {replica.predicted_step_s:.3f} s")
-    assert SpecConfig.parse(low).depth >= 1, "the controller did not speculate for a single stream"
     # Meanwhile the controller fitted request latency per config from finished requests.
     view = client.get("/admin/controller").json()
     (replica,) = view["replicas"]
