@@ -107,6 +107,18 @@ class EngineCapabilities(BaseModel):
     draft_method: str = Field(description="ngram | draft_model | ...")
 
 
+class ReplicaInfo(BaseModel):
+    """What stays fixed while a replica runs. It rides on the replica's first report to a
+    controller, and again whenever a controller answers `send_info` (it restarted without
+    a checkpoint, or dropped the replica as silent): not on every report."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    capabilities: EngineCapabilities
+    node_id: str = Field(description="the Ray node the replica runs on (hex id)")
+    node_ip: str = Field(default="", description="that node's address")
+
+
 class ReplicaTelemetry(BaseModel):
     """A replica's report for one window [window_start, window_end] (unix seconds)."""
 
@@ -114,7 +126,7 @@ class ReplicaTelemetry(BaseModel):
 
     replica_id: str
     model_id: str
-    capabilities: EngineCapabilities
+    info: ReplicaInfo | None = Field(default=None, description="sent once per controller (ReplicaInfo)")
     window_start: float
     window_end: float
     arrivals: int = Field(description="requests accepted by the replica in the window")
@@ -130,6 +142,16 @@ class ReplicaTelemetry(BaseModel):
         """Requests per second over the window."""
         span = max(self.window_end - self.window_start, 1e-9)
         return self.arrivals / span
+
+
+class ControllerReply(BaseModel):
+    """The controller's answer to a report."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: SpecPolicy | None = Field(default=None, description="apply this now; None: keep the one in force")
+    send_info: bool = Field(default=False, description="the controller does not know this replica: "
+                            "report again with `info`")
 
 
 class AcceptanceSummary(BaseModel):

@@ -35,9 +35,9 @@ def main() -> None:
     rng, timings, decide_only = random.Random(1), [], []
     for period in range(args.periods):
         arrivals = sorted(period + rng.random() for _ in range(3))
-        tel = replica.run_until(period + 1.0, arrivals)
+        tel = replica.run_until(period + 1.0, arrivals).model_copy(update={"info": engine.info})
         start = time.perf_counter()
-        policy = core.report(tel, now=period + 1.0)
+        policy = core.report(tel, now=period + 1.0).policy
         timings.append(time.perf_counter() - start)
         decide_only.append(core.replicas["r0"].decision.elapsed_s)
         if policy is not None:

@@ -31,7 +31,7 @@ PROMPT = "Write a short story about a cat who learns to fly."
 
 def measure(args) -> tuple[str, EngineCapabilities, dict[float, float], list]:
     reports = admin_client.status(args.url)
-    model_id, caps = reports[0].model_id, reports[0].capabilities
+    model_id, caps = reports[0].model_id, reports[0].info.capabilities
     view = admin_client.controller_view(args.url)
     if view and not view.paused:
         admin_client.controller_action(args.url, "pause")

@@ -58,7 +58,7 @@ def profile(url: str, out: Path, ks: list[int], batches: list[int], max_tokens: 
     if not reports:
         raise admin_client.AdminError("no replicas answered")
     model_id = reports[0].model_id
-    caps = reports[0].capabilities
+    caps = reports[0].info.capabilities  # the status route always sends the info
     ks = [k for k in ks if k <= caps.max_k]
     batches = [b for b in batches if b <= caps.max_batch_size]
     original = str(reports[0].policy)

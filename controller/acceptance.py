@@ -20,6 +20,7 @@ sliding back to the prior (the controller probes explicitly, see controller.core
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -79,6 +80,11 @@ class AcceptanceModel:
 
     def expected_length(self, config: SpecConfig) -> float:
         return expected_accepted_length(config, self.marginal_rates())
+
+    def copy(self, half_life_s: float | None = None) -> AcceptanceModel:
+        """An independent copy (a new replica's start from its deployment's counts)."""
+        return dataclasses.replace(self, half_life_s=half_life_s or self.half_life_s,
+                                   reached=self.reached.copy(), accepted=self.accepted.copy())
 
     def observed_drafts(self) -> float:
         """Decayed number of sequences that verified at least one draft token."""

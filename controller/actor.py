@@ -15,8 +15,7 @@ import time
 
 import ray
 
-from adaspec.policy import SpecPolicy
-from adaspec.telemetry import ReplicaTelemetry
+from adaspec.telemetry import ControllerReply, ReplicaTelemetry
 from controller.checkpoint_file import CHECKPOINT_FILE, checkpoint_dir, resume, write_checkpoint
 from controller.config import ControllerConfig
 from controller.core import ControllerCore
@@ -25,6 +24,7 @@ from controller.view import ControllerView
 CONTROLLER_NAME = "adaspec-controller"
 NAMESPACE = "adaspec"
 CHECKPOINT_EVERY_PERIODS = 5
+HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray gives the head node one of these
 
 logger = logging.getLogger("adaspec.controller")
 
@@ -70,8 +70,8 @@ class ControllerActor:
             except Exception:
                 logger.exception("adaspec controller: upkeep failed")
 
-    async def report(self, telemetry: ReplicaTelemetry) -> SpecPolicy | None:
-        """A replica's telemetry in, a new policy (or None) out."""
+    async def report(self, telemetry: ReplicaTelemetry) -> ControllerReply:
+        """A replica's telemetry in, a new policy (or none, or a request for its info) out."""
         self._ensure_upkeep()
         return self.core.report(telemetry)
 
@@ -98,9 +98,11 @@ def get_or_create_controller(config: ControllerConfig):
     """The cluster's controller actor, created by whichever replica asks first."""
     # scheduling_strategy="DEFAULT": a replica runs inside its placement group with child
     # capture on, and a controller captured there would die with the first replica that asks.
+    # On the head node (Ray's own resource there, as Serve's controller does): a worker node
+    # lost must not take the controller with it.
     return ControllerActor.options(
         name=CONTROLLER_NAME, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
-        scheduling_strategy="DEFAULT",
+        scheduling_strategy="DEFAULT", resources={HEAD_NODE_RESOURCE: 0.001},
     ).remote(config)
 
 

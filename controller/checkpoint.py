@@ -147,6 +147,10 @@ class ReplicaState(BaseModel):
 
     model_id: str
     capabilities: EngineCapabilities
+    node_id: str = ""  # Ray node (hex id); "" in checkpoints written before it was kept
+    node_ip: str = ""
+    joined_at: float = 0.0  # unix seconds of its first report
+    first_decision_at: float | None = None
     policy_in_force: SpecPolicy
     last_seen: float  # unix seconds of its last report
     acceptance: AcceptanceState
@@ -166,6 +170,7 @@ class DeploymentState(BaseModel):
     model_config = _STATE
 
     step_model: StepTimeState
+    acceptance: AcceptanceState | None = None  # every replica's, pooled; None in older checkpoints
     seen: list[SeenSteps]
     context_per_seq: float | None  # KV tokens per sequence, decayed
     prefill_per_step: float | None  # prompt tokens per step, decayed

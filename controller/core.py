@@ -16,14 +16,14 @@ import time
 import numpy as np
 
 from adaspec.policy import SpecConfig, SpecPolicy
-from adaspec.telemetry import EngineCapabilities, ReplicaTelemetry
+from adaspec.telemetry import ControllerReply, EngineCapabilities, ReplicaTelemetry
 from controller.acceptance import expected_accepted_length
 from controller.checkpoint import ControllerCheckpoint
 from controller.config import ControllerConfig
 from controller.policy_search import CostTable, Decision, Objective, bucket_of, candidate_configs, search_policy
 from controller.state import Deployment, Replica
 from controller.step_time import FitReport, StepTimeModel
-from controller.view import ControllerView, replica_view
+from controller.view import ControllerView, deployment_view, replica_view
 
 EXPLORE_STEPS = 20  # steps a (batch bucket, config) needs before the step-time model is trusted there
 
@@ -40,28 +40,37 @@ class ControllerCore:
         self.pushed = 0
 
     # ------------------------------------------------------------------ reports
-    def report(self, tel: ReplicaTelemetry, now: float | None = None) -> SpecPolicy | None:
-        """Take a replica's telemetry; return a policy to apply, or None to keep its own."""
+    def report(self, tel: ReplicaTelemetry, now: float | None = None) -> ControllerReply:
+        """Take a replica's telemetry; answer with a policy to apply, or none to keep its own.
+        A replica not known here that sent no `info` is asked for it (and its report is
+        not taken: it resends at once)."""
         now = time.time() if now is None else now
+        if tel.replica_id not in self.replicas and tel.info is None:
+            return ControllerReply(send_info=True)
         self.observe(tel, now)
         if self.paused:
-            return None
+            return ControllerReply()
         decision = self.decide(tel.replica_id, now)
         if decision is None or not decision.changed:
-            return None
+            return ControllerReply()
         self.pushed += 1
-        return decision.policy
+        return ControllerReply(policy=decision.policy)
 
     def observe(self, tel: ReplicaTelemetry, now: float) -> None:
-        """Update the replica's state and its deployment's from a report, deciding nothing."""
-        rep = self.replicas.get(tel.replica_id)
-        if rep is None:
-            rep = self.replicas[tel.replica_id] = Replica.first_report(tel, now, self.config.half_life_s)
-        dt = rep.observe(tel, now)
+        """Update the replica's state and its deployment's from a report, deciding nothing.
+        A replica new here starts from its deployment's acceptance (a warm start)."""
         dep = self.deployments.get(tel.model_id)
         if dep is None:
-            dep = self.deployments[tel.model_id] = Deployment.first_report(tel.model_id, self.config.profile_path)
-        dep.observe(tel, dt)
+            dep = self.deployments[tel.model_id] = Deployment.first_report(
+                tel.model_id, self.config.profile_path, self.config.half_life_s)
+        rep = self.replicas.get(tel.replica_id)
+        if rep is None:
+            if tel.info is None:
+                raise ValueError(f"replica {tel.replica_id}: first report without `info`")
+            rep = self.replicas[tel.replica_id] = Replica.first_report(
+                tel, tel.info, now, dep.acceptance.copy(self.config.half_life_s))
+        dt = rep.observe(tel, now)
+        dep.observe(tel, rep.capabilities, dt, now)
 
     # ------------------------------------------------------------------ decisions
     def _costs(self, dep: Deployment, caps: EngineCapabilities, now: float) -> CostTable:
@@ -88,6 +97,8 @@ class ControllerCore:
             replica_id=replica_id)
         decision = self._explore(decision, rep, dep, now)
         rep.decision = decision
+        if rep.first_decision_at is None:
+            rep.first_decision_at = now
         self.decisions += 1
         return decision
 
@@ -158,10 +169,11 @@ class ControllerCore:
         fits = {model_id: dep.latency_fits() for model_id, dep in self.deployments.items()}
         views = [replica_view(rid, rep, self.deployments[rep.model_id], fits[rep.model_id], now)
                  for rid, rep in self.replicas.items()]
+        deployments = [deployment_view(model_id, dep, [r for r in self.replicas.values() if r.model_id == model_id])
+                       for model_id, dep in self.deployments.items()]
         return ControllerView(
             paused=self.paused, restored_from_checkpoint=self.restored, decisions=self.decisions,
-            policies_pushed=self.pushed, replicas=views,
-            step_time_models={m: d.step_model.report for m, d in self.deployments.items()})
+            policies_pushed=self.pushed, replicas=views, deployments=deployments)
 
     # ------------------------------------------------------------------ checkpoint
     def state(self) -> ControllerCheckpoint:
@@ -175,7 +187,7 @@ class ControllerCore:
     def load_state(self, ckpt: ControllerCheckpoint) -> None:
         """Resume from a checkpoint: its models, load estimates and policies in force."""
         replicas = {rid: Replica.restore(r, self.config.half_life_s) for rid, r in ckpt.replicas.items()}
-        deployments = {model_id: Deployment.restore(d) for model_id, d in ckpt.deployments.items()}
+        deployments = {model_id: Deployment.restore(d, self.config.half_life_s) for model_id, d in ckpt.deployments.items()}
         self.replicas, self.deployments = replicas, deployments  # all or nothing
         self.paused, self.decisions, self.pushed = ckpt.paused, ckpt.decisions, ckpt.pushed
         self.restored = True

@@ -22,7 +22,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from adaspec.policy import SpecConfig, SpecPolicy
-from adaspec.telemetry import EngineCapabilities, ReplicaTelemetry, StepRecord
+from adaspec.telemetry import EngineCapabilities, ReplicaInfo, ReplicaTelemetry, StepRecord
 from controller.acceptance import measured_acceptance, measured_proposal_rate
 from controller.config import ControllerConfig
 from controller.core import ControllerCore
@@ -62,9 +62,10 @@ class SimulatedEngine:
                    proposal_rate)
 
     @property
-    def capabilities(self) -> EngineCapabilities:
-        return EngineCapabilities(engine="vllm", max_batch_size=self.max_batch, max_k=self.max_k,
+    def info(self) -> ReplicaInfo:
+        caps = EngineCapabilities(engine="vllm", max_batch_size=self.max_batch, max_k=self.max_k,
                                   supports_trees=False, draft_method="simulated")
+        return ReplicaInfo(capabilities=caps, node_id="simulated")
 
 
 @dataclass
@@ -150,7 +151,7 @@ class SimReplica:
             drafted_per_pos=g.drafted, accepted_per_pos=g.accepted, draft_k=eng.configs[ci].depth)
             for (b, ci), g in groups.items()]
         return ReplicaTelemetry(
-            replica_id=self.id, model_id=eng.model_id, capabilities=eng.capabilities, window_start=start,
+            replica_id=self.id, model_id=eng.model_id, window_start=start,
             window_end=t_end, arrivals=len(arrivals_in), finished=finished, queue_length=len(self.waiting),
             running=len(self.running), policy=self.policy, steps=steps)
 
@@ -182,6 +183,7 @@ def simulate(engine: SimulatedEngine, replicas: int, duration_s: float, rate: fl
     start_policy = SpecPolicy.parse(policy)
     sims = [SimReplica(f"r{i}", engine, start_policy, random.Random(seed * 7919 + i), output_tokens,
                        prompt_tokens, warmup_s) for i in range(replicas)]
+    eng_info = engine.info
     next_arrival = rng.expovariate(rate) if rate > 0 else float("inf")
     wall = time.perf_counter()
     t, last_refit = 0.0, -1e18
@@ -194,9 +196,11 @@ def simulate(engine: SimulatedEngine, replicas: int, duration_s: float, rate: fl
         for sim, arrivals in zip(sims, per_replica):
             tel = sim.run_until(t_end, arrivals)
             if core is not None:
-                new = core.report(tel, now=t_end)
-                if new is not None:
-                    sim.set_policy(new)
+                reply = core.report(tel, now=t_end)
+                if reply.send_info:  # its first report (as a real replica, it waits to be asked)
+                    reply = core.report(tel.model_copy(update={"info": eng_info}), now=t_end)
+                if reply.policy is not None:
+                    sim.set_policy(reply.policy)
         if core is not None:
             core.drop_stale(t_end)
             if t_end - last_refit >= controller.refit_every_s:
@@ -244,7 +248,8 @@ def engine_from_checkpoint(path: str, max_batch: int | None = None, max_k: int |
     caps = reps[0].capabilities if reps else None
     max_batch = max_batch or (caps.max_batch_size if caps else 64)
     max_k = max_k or (caps.max_k if caps else 4)
-    rates = reps[0].acceptance.conditional_rates()[:max_k, 0].tolist() if reps else [0.3] * max_k
+    acceptance = reps[0].acceptance if reps else dep.acceptance
+    rates = acceptance.conditional_rates()[:max_k, 0].tolist()
     return SimulatedEngine.from_models(dep.step_model, rates, max_batch, max_k,
                                        dep.context_per_seq or 300.0, model_id, dep.proposal_rate)
 

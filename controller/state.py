@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from adaspec.policy import SpecConfig, SpecPolicy
-from adaspec.telemetry import EngineCapabilities, ReplicaTelemetry, RequestRecord, StepRecord, read_profile
+from adaspec.telemetry import (
+    EngineCapabilities, ReplicaInfo, ReplicaTelemetry, RequestRecord, StepRecord, read_profile,
+)
 from controller.acceptance import AcceptanceModel, measured_proposal_rate
 from controller.checkpoint import (
     AcceptanceState,
@@ -52,6 +54,10 @@ class Replica:
     acceptance: AcceptanceModel
     policy_in_force: SpecPolicy
     last_seen: float
+    node_id: str = ""
+    node_ip: str = ""
+    joined_at: float = 0.0  # unix seconds of its first report to this controller
+    first_decision_at: float | None = None  # unix seconds of the first policy decided for it
     rate: float | None = None
     batch: float | None = None
     generated: float = 0.0  # decayed output tokens produced
@@ -63,9 +69,11 @@ class Replica:
     last_probe: float = -1e18
 
     @classmethod
-    def first_report(cls, tel: ReplicaTelemetry, now: float, half_life_s: float) -> Replica:
-        """A replica not heard from before; `half_life_s`: its acceptance model's."""
-        return cls(tel.model_id, tel.capabilities, AcceptanceModel(half_life_s=half_life_s), tel.policy, now)
+    def first_report(cls, tel: ReplicaTelemetry, info: ReplicaInfo, now: float,
+                     acceptance: AcceptanceModel) -> Replica:
+        """A replica not heard from before, starting from `acceptance` (its deployment's)."""
+        return cls(tel.model_id, info.capabilities, acceptance, tel.policy, now,
+                   node_id=info.node_id, node_ip=info.node_ip, joined_at=now)
 
     @property
     def output_tokens(self) -> float | None:
@@ -80,7 +88,9 @@ class Replica:
         """Take the replica's report at `now`; returns the seconds since its previous one,
         by which the deployment's estimates decay too."""
         dt = now - self.last_seen
-        self.last_seen, self.capabilities, self.policy_in_force = now, tel.capabilities, tel.policy
+        self.last_seen, self.policy_in_force = now, tel.policy
+        if tel.info is not None:
+            self.capabilities, self.node_id, self.node_ip = tel.info.capabilities, tel.info.node_id, tel.info.node_ip
         steps = tel.steps
         self.acceptance.update(steps, now)
         self.recent_steps = (self.recent_steps + steps)[-VIEW_STEPS:]
@@ -98,7 +108,9 @@ class Replica:
 
     def checkpoint(self) -> ReplicaState:
         return ReplicaState(
-            model_id=self.model_id, capabilities=self.capabilities, policy_in_force=self.policy_in_force,
+            model_id=self.model_id, capabilities=self.capabilities, node_id=self.node_id, node_ip=self.node_ip,
+            joined_at=self.joined_at, first_decision_at=self.first_decision_at,
+            policy_in_force=self.policy_in_force,
             last_seen=self.last_seen, acceptance=AcceptanceState.of(self.acceptance), rate=self.rate,
             batch=self.batch, generated=self.generated, finished=self.finished, latency_sum=self.latency_sum,
             latency_count=self.latency_count, recent_steps=self.recent_steps, last_probe=self.last_probe)
@@ -107,7 +119,8 @@ class Replica:
     def restore(cls, state: ReplicaState, half_life_s: float) -> Replica:
         """`half_life_s`: the acceptance model's, from the controller's config."""
         return cls(
-            model_id=state.model_id, capabilities=state.capabilities,
+            model_id=state.model_id, capabilities=state.capabilities, node_id=state.node_id, node_ip=state.node_ip,
+            joined_at=state.joined_at, first_decision_at=state.first_decision_at,
             acceptance=state.acceptance.model(half_life_s), policy_in_force=state.policy_in_force,
             last_seen=state.last_seen, rate=state.rate, batch=state.batch, generated=state.generated,
             finished=state.finished, latency_sum=state.latency_sum, latency_count=state.latency_count,
@@ -117,6 +130,8 @@ class Replica:
 @dataclass
 class Deployment:
     step_model: StepTimeModel
+    # Every replica's acceptance, pooled: where a replica that joins starts from.
+    acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)
     seen: dict[tuple[int, SpecConfig], int] = field(default_factory=dict)  # (bucket lo, config) -> steps
     context_per_seq: float | None = None
     prefill_per_step: float | None = None
@@ -129,23 +144,26 @@ class Deployment:
     requests: dict[SpecConfig, deque[RequestRecord]] = field(default_factory=dict)  # config -> recent finished
 
     @classmethod
-    def first_report(cls, model_id: str, profile_path: str | None) -> Deployment:
+    def first_report(cls, model_id: str, profile_path: str | None, half_life_s: float) -> Deployment:
         """A model not seen before; its step-time model starts from the profile's steps of
-        this model, if `profile_path` names a profile that has some."""
+        this model, if `profile_path` names a profile that has some. `half_life_s`: the
+        pooled acceptance model's."""
         step_model = StepTimeModel()
         if profile_path:
             try:
                 step_model.add(read_profile(profile_path, model_id)[1])
             except ValueError:  # no steps of this model in the profile: start from none
                 pass
-        return cls(step_model)
+        return cls(step_model, AcceptanceModel(half_life_s=half_life_s))
 
-    def observe(self, tel: ReplicaTelemetry, dt: float) -> None:
-        """Take one replica's report; `dt`: the seconds since that replica's previous one."""
+    def observe(self, tel: ReplicaTelemetry, caps: EngineCapabilities, dt: float, now: float) -> None:
+        """Take one replica's report at `now`; `caps`: that replica's engine, `dt`: the
+        seconds since its previous report."""
         steps = tel.steps
         self.step_model.add(steps)
+        self.acceptance.update(steps, now)
         for s in steps:
-            key = (bucket_of(s.batch_size, tel.capabilities.max_batch_size)[0], s.config)
+            key = (bucket_of(s.batch_size, caps.max_batch_size)[0], s.config)
             self.seen[key] = self.seen.get(key, 0) + 1
         for r in tel.requests:
             self.requests.setdefault(r.config, deque(maxlen=LATENCY_WINDOW)).append(r)
@@ -165,7 +183,7 @@ class Deployment:
     def checkpoint(self) -> DeploymentState:
         """The costs are left out: rebuilt from the step-time model on the next decision."""
         return DeploymentState(
-            step_model=StepTimeState.of(self.step_model),
+            step_model=StepTimeState.of(self.step_model), acceptance=AcceptanceState.of(self.acceptance),
             seen=[SeenSteps(batch_lo=lo, config=c, steps=n) for (lo, c), n in self.seen.items()],
             context_per_seq=self.context_per_seq, prefill_per_step=self.prefill_per_step,
             proposal_rate=self.proposal_rate, model_version=self.model_version,
@@ -173,9 +191,11 @@ class Deployment:
             requests=[ConfigRequests(config=c, records=list(rs)) for c, rs in self.requests.items()])
 
     @classmethod
-    def restore(cls, state: DeploymentState) -> Deployment:
+    def restore(cls, state: DeploymentState, half_life_s: float) -> Deployment:
+        """`half_life_s`: the pooled acceptance model's, from the controller's config."""
+        acceptance = state.acceptance.model(half_life_s) if state.acceptance else AcceptanceModel(half_life_s=half_life_s)
         return cls(
-            step_model=state.step_model.model(),
+            step_model=state.step_model.model(), acceptance=acceptance,
             seen={(s.batch_lo, s.config): s.steps for s in state.seen},
             context_per_seq=state.context_per_seq, prefill_per_step=state.prefill_per_step,
             proposal_rate=state.proposal_rate, model_version=state.model_version,

@@ -42,7 +42,10 @@ class ReplicaView(BaseModel):
 
     replica_id: str
     model_id: str
+    node_id: str  # the Ray node it runs on ("" if not known)
+    node_ip: str
     seconds_since_report: float
+    seconds_to_first_decision: float | None  # from its first report to this controller (warm start)
     arrival_rate: float  # requests/s
     mean_batch: float  # requests per step
     output_tokens: float  # mean per request
@@ -59,6 +62,20 @@ class ReplicaView(BaseModel):
     latency_fits: list[ConfigLatency]  # per config, from the deployment's measured requests
 
 
+class DeploymentView(BaseModel):
+    """One deployment (a model's replicas) in total."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_id: str
+    replicas: int
+    nodes: int  # distinct Ray nodes its replicas run on
+    arrival_rate: float  # requests/s, all replicas
+    batch: float  # requests per step, summed over replicas
+    conditional_acceptance: list[float]  # per position, pooled over replicas (a joining replica starts here)
+    step_time_model: FitReport
+
+
 class ControllerView(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -67,7 +84,19 @@ class ControllerView(BaseModel):
     decisions: int
     policies_pushed: int
     replicas: list[ReplicaView]
-    step_time_models: dict[str, FitReport]  # model id -> last fit
+    deployments: list[DeploymentView]
+
+    def deployment(self, model_id: str) -> DeploymentView | None:
+        return next((d for d in self.deployments if d.model_id == model_id), None)
+
+
+def deployment_view(model_id: str, dep: Deployment, replicas: list[Replica]) -> DeploymentView:
+    max_k = max((r.capabilities.max_k for r in replicas), default=0)
+    return DeploymentView(
+        model_id=model_id, replicas=len(replicas), nodes=len({r.node_id for r in replicas}),
+        arrival_rate=sum(r.rate or 0.0 for r in replicas), batch=sum(r.batch or 0.0 for r in replicas),
+        conditional_acceptance=[round(float(p), 4) for p in dep.acceptance.conditional_rates()[:max_k, 0]],
+        step_time_model=dep.step_model.report)
 
 
 def config_latencies(fits: dict[SpecConfig, LatencyFit], output_tokens: float, rate: float) -> list[ConfigLatency]:
@@ -96,7 +125,9 @@ def replica_view(replica_id: str, rep: Replica, dep: Deployment, fits: dict[Spec
     rates = rep.acceptance.conditional_rates()[: rep.capabilities.max_k, 0]
     configs = candidate_configs(rep.capabilities.max_k, rep.capabilities.supports_trees)
     return ReplicaView(
-        replica_id=replica_id, model_id=rep.model_id, seconds_since_report=now - rep.last_seen,
+        replica_id=replica_id, model_id=rep.model_id, node_id=rep.node_id, node_ip=rep.node_ip,
+        seconds_since_report=now - rep.last_seen,
+        seconds_to_first_decision=None if rep.first_decision_at is None else rep.first_decision_at - rep.joined_at,
         arrival_rate=rep.rate or 0.0, mean_batch=rep.batch or 0.0,
         output_tokens=rep.output_tokens or 0.0,
         conditional_acceptance=[round(float(r), 4) for r in rates],

@@ -61,13 +61,19 @@ def format_controller(view: ControllerView | None) -> str:
     lines = [f"controller: {'PAUSED' if view.paused else 'active'}; {view.decisions} decisions, "
              f"{view.policies_pushed} policies pushed"
              + ("; resumed from checkpoint" if view.restored_from_checkpoint else "")]
-    for model_id, fit in view.step_time_models.items():
+    for d in view.deployments:
+        fit = d.step_time_model
         mape = f"{100 * fit.holdout_mape:.1f}%" if fit.holdout_mape is not None else "-"
-        lines.append(f"  step-time model {model_id}: {fit.kind}, {fit.samples} steps, held-out error {mape}")
+        lines += [
+            f"  deployment {d.model_id}: {d.replicas} replicas on {d.nodes} nodes, rate {d.arrival_rate:.2f} req/s, "
+            f"batch {d.batch:.1f} in total",
+            f"    pooled acceptance per position: {' '.join(f'{p:.2f}' for p in d.conditional_acceptance) or '-'}",
+            f"    step-time model: {fit.kind}, {fit.samples} steps, held-out error {mape}",
+        ]
     for r in view.replicas:
         lines += [
-            f"  replica {r.replica_id}: rate {r.arrival_rate:.2f} req/s, batch {r.mean_batch:.1f}, "
-            f"output {r.output_tokens:.0f} tokens/request",
+            f"  replica {r.replica_id} on node {r.node_ip or r.node_id[:8] or '?'}: rate {r.arrival_rate:.2f} req/s, "
+            f"batch {r.mean_batch:.1f}, output {r.output_tokens:.0f} tokens/request",
             f"    acceptance per position: {' '.join(f'{p:.2f}' for p in r.conditional_acceptance)}",
             f"    in force: {r.policy_in_force}   chosen: {r.chosen_policy or '-'} "
             f"(decision {_fmt(r.decision_ms, unit=' ms')})",
@@ -95,9 +101,13 @@ def format_status(reports: list[ReplicaTelemetry]) -> str:
         batch_sizes = sorted({s.batch_size for s in steps})
         step_ms = 1000 * sum(s.duration_s for s in steps) / len(steps) if steps else 0.0
         span = r.window_end - r.window_start
+        head = f"replica {r.replica_id}"
+        if r.info is not None:
+            caps = r.info.capabilities
+            head += (f"  on node {r.info.node_ip or r.info.node_id[:8]}  ({caps.engine}, {caps.draft_method}, "
+                     f"max k {caps.max_k}, max batch {caps.max_batch_size})")
         lines += [
-            f"replica {r.replica_id}  ({r.capabilities.engine}, {r.capabilities.draft_method}, "
-            f"max k {r.capabilities.max_k}, max batch {r.capabilities.max_batch_size})",
+            head,
             f"  policy v{r.policy.version}: {r.policy}",
             f"  window {span:.0f} s: {len(steps)} steps, {r.arrivals} arrivals "
             f"({r.arrival_rate:.2f} req/s), {r.finished} finished; now running {r.running}, "

@@ -26,8 +26,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from adaspec.engine_contract import EngineReport
 from adaspec.policy import PolicyAck, SpecPolicy
-from adaspec.telemetry import EngineCapabilities, ReplicaTelemetry, RequestRecord, StepRecord, summarize_acceptance
+from adaspec.telemetry import (
+    ControllerReply, EngineCapabilities, ReplicaInfo, ReplicaTelemetry, RequestRecord, StepRecord,
+    summarize_acceptance,
+)
 from controller.config import ControllerConfig
+import ray
 from ray import serve
 from ray.util import metrics
 from serve_app.ray_llm import LLMServer
@@ -105,7 +109,9 @@ class SpecReplica(LLMServer):
         except RuntimeError:  # constructed outside Serve (tests)
             self._replica_id = "local"
         self._metrics = _ReplicaMetrics(self._replica_id, llm_config.model_id)
-        self._capabilities: EngineCapabilities = await self.engine.capabilities()
+        context = ray.get_runtime_context()
+        self._info = ReplicaInfo(capabilities=await self.engine.capabilities(), node_id=context.get_node_id(),
+                                 node_ip=ray.util.get_node_ip_address())
         await self._poll_engine()
         loop = asyncio.get_running_loop()
         self._poller = loop.create_task(self._poll_forever())
@@ -140,8 +146,9 @@ class SpecReplica(LLMServer):
         await self._poll_engine()
         return ack
 
-    async def telemetry(self, since: float | None = None) -> ReplicaTelemetry:
-        """Steps that ended after `since` (unix seconds; default: the whole window)."""
+    async def telemetry(self, since: float | None = None, with_info: bool = True) -> ReplicaTelemetry:
+        """Steps that ended after `since` (unix seconds; default: the whole window);
+        `with_info`: include the replica's ReplicaInfo (engine capabilities, node)."""
         await self._poll_engine()
         now = time.time()
         start = max(since, now - self._settings.window_s) if since is not None else now - self._settings.window_s
@@ -150,7 +157,7 @@ class SpecReplica(LLMServer):
         assert self._report is not None
         return ReplicaTelemetry(
             replica_id=self._replica_id, model_id=self._llm_config.model_id,
-            capabilities=self._capabilities,
+            info=self._info if with_info else None,
             window_start=window_start, window_end=now,
             arrivals=sum(1 for t in self._arrivals if t > window_start),
             finished=sum(1 for t in self._finishes if t > window_start),
@@ -182,20 +189,24 @@ class SpecReplica(LLMServer):
         from controller.actor import get_or_create_controller
 
         period = self._settings.controller.period_s
-        since, failures = time.time(), 0
+        since, failures, known = time.time(), 0, False
         while True:
             await asyncio.sleep(period)
             try:
-                telemetry = await self.telemetry(since=since)
+                telemetry = await self.telemetry(since=since, with_info=not known)
                 since = telemetry.window_end
                 if self._controller is None:
                     self._controller = get_or_create_controller(self._settings.controller)
-                policy = await asyncio.wait_for(self._controller.report.remote(telemetry), timeout=5 * period + 5)
-                failures = 0
-                if policy is not None:
-                    await self.apply_policy(policy)
+                reply: ControllerReply = await asyncio.wait_for(
+                    self._controller.report.remote(telemetry), timeout=5 * period + 5)
+                if reply.send_info:  # a controller that lost us (restart, or dropped as silent)
+                    telemetry.info = self._info
+                    reply = await asyncio.wait_for(self._controller.report.remote(telemetry), timeout=5 * period + 5)
+                known, failures = True, 0
+                if reply.policy is not None:
+                    await self.apply_policy(reply.policy)
             except Exception as e:
-                self._controller = None
+                self._controller, known = None, False
                 failures += 1
                 if failures in (1, 10) or failures % 100 == 0:
                     logger.warning("adaspec: controller unreachable (%d periods): %r; keeping policy v%d",

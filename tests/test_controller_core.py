@@ -1,20 +1,24 @@
 """ControllerCore with a simulated replica (a stand-in engine: synthetic step times and
 acceptance, no Ray, no vLLM): decisions follow load and acceptance, silent replicas are
-dropped, a checkpoint restores models and policies."""
+dropped, a replica that joins starts warm, a checkpoint restores models and policies."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
 
 from adaspec.policy import SpecConfig, SpecPolicy
-from adaspec.telemetry import EngineCapabilities, ReplicaTelemetry, RequestRecord, StepRecord
+from adaspec.telemetry import EngineCapabilities, ReplicaInfo, ReplicaTelemetry, RequestRecord, StepRecord
+from controller.acceptance import AcceptanceModel
 from controller.checkpoint import ControllerCheckpoint
 from controller.config import ControllerConfig
 from controller.core import ControllerCore
 from tests.test_controller_math import synthetic_step_time
 
 CAPS = EngineCapabilities(engine="vllm", max_batch_size=64, max_k=4, supports_trees=False, draft_method="ngram")
+INFO = ReplicaInfo(capabilities=CAPS, node_id="node-a", node_ip="127.0.0.1")
 
 
 class SimulatedReplica:
@@ -44,7 +48,7 @@ class SimulatedReplica:
                 drafted_per_pos=drafted, accepted_per_pos=accepted))
             k_prev = cfg.depth
         return ReplicaTelemetry(
-            replica_id=self.replica_id, model_id="m", capabilities=CAPS, window_start=start,
+            replica_id=self.replica_id, model_id="m", info=INFO, window_start=start,
             window_end=start + seconds, arrivals=arrivals, finished=arrivals, queue_length=0,
             running=batch, policy=self.policy, steps=steps)
 
@@ -54,7 +58,7 @@ class SimulatedReplica:
         for _ in range(periods):
             tel = self.telemetry(t, 1.0, batch, arrivals)
             t += 1.0
-            policy = core.report(tel, now=t)
+            policy = core.report(tel, now=t).policy
             if policy is not None:
                 self.policy = policy
             self.history.append(self.policy)
@@ -87,7 +91,7 @@ def test_controller_speculates_at_low_load_and_stops_at_high_load():
     view = core.view(now=t)
     (r,) = view.replicas
     assert r.policy_in_force == str(replica.policy)
-    assert view.step_time_models["m"].kind in ("linear", "xgboost")
+    assert view.deployment("m").step_time_model.kind in ("linear", "xgboost")
 
 
 def test_silent_replicas_are_dropped():
@@ -100,11 +104,57 @@ def test_silent_replicas_are_dropped():
     assert [r.replica_id for r in core.view(now=5.0).replicas] == ["a"]
 
 
+def test_replica_info_is_asked_for_once():
+    """Engine capabilities and node ride on a replica's first report only; a controller that
+    does not know the replica (restarted fresh, or it was dropped as silent) asks for them
+    instead of guessing, and takes nothing from that report."""
+    core = ControllerCore(ControllerConfig(enabled=True, replica_timeout_s=3.0))
+    replica = SimulatedReplica("r1", alpha=0.6)
+    bare = replica.telemetry(0.0, 1.0, 1, 1).model_copy(update={"info": None})
+    assert core.report(bare, now=1.0).send_info
+    assert not core.replicas and not core.deployments
+    assert not core.report(bare.model_copy(update={"info": INFO}), now=1.0).send_info
+    later = replica.telemetry(1.0, 1.0, 1, 1).model_copy(update={"info": None})
+    assert not core.report(later, now=2.0).send_info
+    (view,) = core.view(now=2.0).replicas
+    assert (view.node_id, view.node_ip) == ("node-a", "127.0.0.1")
+    assert core.drop_stale(now=10.0) == ["r1"]
+    assert core.report(replica.telemetry(10.0, 1.0, 1, 1).model_copy(update={"info": None}), now=11.0).send_info
+
+
+def test_a_joining_replica_starts_from_its_deployments_acceptance():
+    """A replica that joins a deployment (scale-up, restart under a new id) gets its first
+    decision from the acceptance its deployment pooled, not from the prior: with acceptance
+    0.9 learned by r1, the newcomer's first policy speculates as deep as r1's, while a cold
+    controller's first policy for it is shallower (the prior is 0.3)."""
+    config = ControllerConfig(enabled=True, half_life_s=5.0, hysteresis=0.03)
+    warm = ControllerCore(config)
+    r1 = SimulatedReplica("r1", alpha=0.9)
+    t = r1.run(warm, 0.0, periods=25, batch=1, arrivals=1)
+    learned = r1.policy.config_for(1).depth
+    assert learned >= 3, r1.policy
+
+    def first_policy(core: ControllerCore) -> SpecPolicy:
+        newcomer = SimulatedReplica("r2", alpha=0.9, seed=1)
+        newcomer.policy = SpecPolicy.parse("off")  # nothing drafted yet: nothing of its own to learn from
+        pushed = core.report(newcomer.telemetry(t, 1.0, 1, 1), now=t + 1.0).policy
+        assert pushed is not None  # within its first control period
+        return pushed
+
+    assert first_policy(warm).config_for(1).depth == learned
+    cold = ControllerCore(config)
+    # The same step-time model learned, but no acceptance.
+    cold.deployments = {"m": dataclasses.replace(warm.deployments["m"], acceptance=AcceptanceModel(half_life_s=5.0))}
+    assert first_policy(cold).config_for(1).depth < learned
+    view = warm.view(now=t + 1.0).deployment("m")
+    assert view.replicas == 2 and view.nodes == 1 and view.conditional_acceptance[0] > 0.8
+
+
 def test_paused_controller_pushes_nothing():
     core = ControllerCore(ControllerConfig(enabled=True))
     core.paused = True
     replica = SimulatedReplica("r1", alpha=0.9)
-    assert core.report(replica.telemetry(0.0, 1.0, 1, 1), now=1.0) is None
+    assert core.report(replica.telemetry(0.0, 1.0, 1, 1), now=1.0).policy is None
 
 
 def test_checkpoint_restores_models_and_policies():

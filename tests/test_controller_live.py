@@ -88,7 +88,7 @@ def test_controller_view_is_served(client):
     def reported() -> dict | None:
         view = client.get("/admin/controller").json()
         fresh = [r for r in view["replicas"] if r["seconds_since_report"] < 5]
-        return view if not view["paused"] and fresh and MODEL in view["step_time_models"] else None
+        return view if not view["paused"] and fresh and any(d["model_id"] == MODEL for d in view["deployments"]) else None
 
     view = wait_until(reported, "the resumed controller listing a replica that reported within 5 s", timeout_s=60)
     (replica,) = view["replicas"]
@@ -184,7 +184,7 @@ def test_controller_crash_loses_no_request_and_resumes_from_checkpoint(server, c
         wait_until(lambda: load.ok > ok_at_kill, "a request finishing after the controller was killed")
     assert not load.failures, load.failures[:3]
     assert after.decisions >= before.decisions  # resumed, not reset
-    assert after.step_time_models[MODEL].samples >= before.step_time_models[MODEL].samples
+    assert after.deployment(MODEL).step_time_model.samples >= before.deployment(MODEL).step_time_model.samples
     assert len(after.replicas) == 1
 
 

@@ -234,7 +234,7 @@ def test_cli_policy_set_and_status(client):
     assert res.returncode == 0, res.stderr
     (report,) = json.loads(res.stdout)["replicas"]
     assert str(SpecPolicy.model_validate(report["policy"])) == table
-    assert report["capabilities"]["max_k"] == 4 and report["steps"]
+    assert report["info"]["capabilities"]["max_k"] == 4 and report["steps"]
 
     res = run("status", "--url", URL)
     assert res.returncode == 0 and table in res.stdout and "acceptance per position" in res.stdout

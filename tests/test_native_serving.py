@@ -178,7 +178,7 @@ def test_client_disconnect_aborts_the_request(client):
 # ----------------------------------------------------------------------------------- control plane
 def test_controller_lists_the_native_replica(client):
     replica = _status(client)
-    assert replica["capabilities"]["engine"] == "native" and replica["capabilities"]["supports_trees"]
+    assert replica["info"]["capabilities"]["engine"] == "native" and replica["info"]["capabilities"]["supports_trees"]
     wait_until(lambda: any(r["replica_id"] == replica["replica_id"]
                            for r in client.get("/admin/controller").json()["replicas"]),
                f"the controller listing replica {replica['replica_id']}", timeout_s=60)
