@@ -117,6 +117,7 @@ class ReplicaInfo(BaseModel):
     capabilities: EngineCapabilities
     node_id: str = Field(description="the Ray node the replica runs on (hex id)")
     node_ip: str = Field(default="", description="that node's address")
+    actor_id: str = Field(default="", description="the replica's Ray actor (hex id), to ask Ray whether it died")
 
 
 class ReplicaTelemetry(BaseModel):

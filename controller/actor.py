@@ -59,6 +59,10 @@ class ControllerActor:
                 now = time.time()
                 for rid in self.core.drop_stale(now):
                     logger.info("adaspec controller: replica %s dropped (silent)", rid)
+                late = self.core.late(now)
+                if late:
+                    for rid in self.core.drop(await asyncio.to_thread(_dead, late)):
+                        logger.info("adaspec controller: replica %s dropped (its actor died)", rid)
                 if now - last_refit >= self.config.refit_every_s:
                     last_refit = now
                     for model_id, job in self.core.refit_jobs().items():
@@ -92,6 +96,22 @@ class ControllerActor:
             ckpt = self.core.state()
             await asyncio.to_thread(write_checkpoint, self.path, ckpt)
         return str(self.path)
+
+
+def _dead(replicas: dict[str, str]) -> list[str]:
+    """The replicas (id -> Ray actor id) whose actors Ray reports dead; a replica Ray cannot
+    tell about is left to the silence timeout."""
+    from ray.util.state import get_actor
+
+    dead = []
+    for rid, actor_id in replicas.items():
+        try:
+            state = get_actor(actor_id, timeout=2)
+        except Exception:  # the state API unreachable: nothing learned
+            continue
+        if state is not None and state.state == "DEAD":
+            dead.append(rid)
+    return dead
 
 
 def get_or_create_controller(config: ControllerConfig):

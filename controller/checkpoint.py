@@ -149,8 +149,10 @@ class ReplicaState(BaseModel):
     capabilities: EngineCapabilities
     node_id: str = ""  # Ray node (hex id); "" in checkpoints written before it was kept
     node_ip: str = ""
+    actor_id: str = ""
     joined_at: float = 0.0  # unix seconds of its first report
     first_decision_at: float | None = None
+    started_warm: bool = False
     policy_in_force: SpecPolicy
     last_seen: float  # unix seconds of its last report
     acceptance: AcceptanceState

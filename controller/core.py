@@ -160,9 +160,18 @@ class ControllerCore:
 
     def drop_stale(self, now: float) -> list[str]:
         gone = [rid for rid, r in self.replicas.items() if now - r.last_seen > self.config.replica_timeout_s]
-        for rid in gone:
-            del self.replicas[rid]
-        return gone
+        return self.drop(gone)
+
+    def late(self, now: float) -> dict[str, str]:
+        """Replicas that missed their last report (silent 1.5 periods), by id -> Ray actor id:
+        the ones worth asking Ray about before replica_timeout_s drops them anyway."""
+        return {rid: r.actor_id for rid, r in self.replicas.items()
+                if r.actor_id and now - r.last_seen > 1.5 * self.config.period_s}
+
+    def drop(self, replica_ids: list[str]) -> list[str]:
+        for rid in replica_ids:
+            self.replicas.pop(rid, None)
+        return replica_ids
 
     def view(self, now: float | None = None) -> ControllerView:
         now = time.time() if now is None else now

@@ -56,8 +56,10 @@ class Replica:
     last_seen: float
     node_id: str = ""
     node_ip: str = ""
+    actor_id: str = ""  # its Ray actor, hex ("" if not known)
     joined_at: float = 0.0  # unix seconds of its first report to this controller
     first_decision_at: float | None = None  # unix seconds of the first policy decided for it
+    started_warm: bool = False  # its acceptance started from counts its deployment had measured
     rate: float | None = None
     batch: float | None = None
     generated: float = 0.0  # decayed output tokens produced
@@ -73,7 +75,8 @@ class Replica:
                      acceptance: AcceptanceModel) -> Replica:
         """A replica not heard from before, starting from `acceptance` (its deployment's)."""
         return cls(tel.model_id, info.capabilities, acceptance, tel.policy, now,
-                   node_id=info.node_id, node_ip=info.node_ip, joined_at=now)
+                   node_id=info.node_id, node_ip=info.node_ip, actor_id=info.actor_id, joined_at=now,
+                   started_warm=acceptance.observed_drafts() > 0)
 
     @property
     def output_tokens(self) -> float | None:
@@ -90,7 +93,9 @@ class Replica:
         dt = now - self.last_seen
         self.last_seen, self.policy_in_force = now, tel.policy
         if tel.info is not None:
-            self.capabilities, self.node_id, self.node_ip = tel.info.capabilities, tel.info.node_id, tel.info.node_ip
+            info = tel.info
+            self.capabilities, self.node_id, self.node_ip, self.actor_id = (
+                info.capabilities, info.node_id, info.node_ip, info.actor_id)
         steps = tel.steps
         self.acceptance.update(steps, now)
         self.recent_steps = (self.recent_steps + steps)[-VIEW_STEPS:]
@@ -109,7 +114,8 @@ class Replica:
     def checkpoint(self) -> ReplicaState:
         return ReplicaState(
             model_id=self.model_id, capabilities=self.capabilities, node_id=self.node_id, node_ip=self.node_ip,
-            joined_at=self.joined_at, first_decision_at=self.first_decision_at,
+            actor_id=self.actor_id, joined_at=self.joined_at, first_decision_at=self.first_decision_at,
+            started_warm=self.started_warm,
             policy_in_force=self.policy_in_force,
             last_seen=self.last_seen, acceptance=AcceptanceState.of(self.acceptance), rate=self.rate,
             batch=self.batch, generated=self.generated, finished=self.finished, latency_sum=self.latency_sum,
@@ -120,7 +126,8 @@ class Replica:
         """`half_life_s`: the acceptance model's, from the controller's config."""
         return cls(
             model_id=state.model_id, capabilities=state.capabilities, node_id=state.node_id, node_ip=state.node_ip,
-            joined_at=state.joined_at, first_decision_at=state.first_decision_at,
+            actor_id=state.actor_id, joined_at=state.joined_at, first_decision_at=state.first_decision_at,
+            started_warm=state.started_warm,
             acceptance=state.acceptance.model(half_life_s), policy_in_force=state.policy_in_force,
             last_seen=state.last_seen, rate=state.rate, batch=state.batch, generated=state.generated,
             finished=state.finished, latency_sum=state.latency_sum, latency_count=state.latency_count,

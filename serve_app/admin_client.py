@@ -72,7 +72,7 @@ def format_controller(view: ControllerView | None) -> str:
         ]
     for r in view.replicas:
         lines += [
-            f"  replica {r.replica_id} on node {r.node_ip or r.node_id[:8] or '?'}: rate {r.arrival_rate:.2f} req/s, "
+            f"  replica {r.replica_id} on node {r.node_id[:8] or '?'} ({r.node_ip}): rate {r.arrival_rate:.2f} req/s, "
             f"batch {r.mean_batch:.1f}, output {r.output_tokens:.0f} tokens/request",
             f"    acceptance per position: {' '.join(f'{p:.2f}' for p in r.conditional_acceptance)}",
             f"    in force: {r.policy_in_force}   chosen: {r.chosen_policy or '-'} "
@@ -104,7 +104,7 @@ def format_status(reports: list[ReplicaTelemetry]) -> str:
         head = f"replica {r.replica_id}"
         if r.info is not None:
             caps = r.info.capabilities
-            head += (f"  on node {r.info.node_ip or r.info.node_id[:8]}  ({caps.engine}, {caps.draft_method}, "
+            head += (f"  on node {r.info.node_id[:8]} ({r.info.node_ip})  ({caps.engine}, {caps.draft_method}, "
                      f"max k {caps.max_k}, max batch {caps.max_batch_size})")
         lines += [
             head,

@@ -111,7 +111,7 @@ class SpecReplica(LLMServer):
         self._metrics = _ReplicaMetrics(self._replica_id, llm_config.model_id)
         context = ray.get_runtime_context()
         self._info = ReplicaInfo(capabilities=await self.engine.capabilities(), node_id=context.get_node_id(),
-                                 node_ip=ray.util.get_node_ip_address())
+                                 node_ip=ray.util.get_node_ip_address(), actor_id=context.get_actor_id() or "")
         await self._poll_engine()
         loop = asyncio.get_running_loop()
         self._poller = loop.create_task(self._poll_forever())

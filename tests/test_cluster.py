@@ -9,11 +9,12 @@ about a minute and a half on 2 cores.
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
+import ray
 
 from bench.loopback_cluster import LoopbackCluster, NodeSpec
 from serve_app import admin_client
@@ -94,3 +95,110 @@ def test_two_replicas_on_two_nodes_serve_and_get_policies(cluster: LoopbackClust
     # pushes one to each replica that runs steps).
     assert all(r.chosen_policy is not None for r in view.replicas), [r.chosen_policy for r in view.replicas]
     print("\n" + admin_client.format_controller(view))
+
+
+class StreamingLoad:
+    """`concurrency` closed-loop clients streaming completions until stopped. Each request
+    ends as one of: ok ([DONE] seen), refused (an HTTP error before any token: a request the
+    server did not keep), error_event (a clean error event mid-stream), cut (the stream
+    ended without [DONE] or an error), hang (no byte for `hang_s`)."""
+
+    OUTCOMES = ("ok", "refused", "error_event", "cut", "hang")
+
+    def __init__(self, concurrency: int, max_tokens: int = 48, hang_s: float = 120.0):
+        self.stop = threading.Event()
+        self.counts = {o: 0 for o in self.OUTCOMES}
+        self.examples: list[str] = []
+        self.max_tokens, self.hang_s = max_tokens, hang_s
+        self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(concurrency)]
+
+    def _one(self, client: httpx.Client, i: int) -> tuple[str, str]:
+        body = {"model": MODEL, "prompt": f"List the numbers from {i} to {i + 40}:", "stream": True,
+                "max_tokens": self.max_tokens, "temperature": 0.7}
+        got_token = False
+        try:
+            with client.stream("POST", "/v1/completions", json=body) as resp:
+                if resp.status_code != 200:
+                    return "refused", f"{resp.status_code} {resp.read()[:200]!r}"
+                for line in resp.iter_lines():
+                    if line == "data: [DONE]":
+                        return "ok", ""
+                    if line.startswith("data: ") and '"error"' in line:
+                        return ("error_event" if got_token else "refused"), line[:200]
+                    got_token = got_token or line.startswith("data: ")
+            return ("cut" if got_token else "refused"), "stream ended without [DONE]"
+        except httpx.TimeoutException as e:
+            return "hang", repr(e)
+        except httpx.HTTPError as e:
+            return ("cut" if got_token else "refused"), repr(e)
+
+    def _run(self, i: int) -> None:
+        timeout = httpx.Timeout(10.0, read=self.hang_s)
+        with httpx.Client(base_url=URL, timeout=timeout) as client:
+            n = 0
+            while not self.stop.is_set():
+                outcome, detail = self._one(client, 100 * i + n)
+                n += 1
+                self.counts[outcome] += 1
+                if outcome != "ok" and len(self.examples) < 5:
+                    self.examples.append(f"{outcome}: {detail}")
+
+    def __enter__(self) -> StreamingLoad:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join()
+
+
+@pytest.fixture(scope="module")
+def ray_driver(cluster: LoopbackCluster):
+    """This process joined to the loopback cluster (a driver), for killing actors."""
+    if ray.is_initialized():
+        ray.shutdown()
+    # The cluster runs with token auth (bench.loopback_cluster); this process read its auth
+    # mode when it imported Ray, so it turns token auth on now, as test_controller_live does.
+    from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
+
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    ray.init(address=cluster.address, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_killed_replica_loses_no_waiting_request_and_its_replacement_starts_warm(app, ray_driver):
+    before = {r.replica_id for r in admin_client.status(URL)}
+    victim = sorted(before)[0]
+    (name,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+               if a["name"].startswith("SERVE_REPLICA::") and a["name"].endswith(f"#{victim}")]
+    with StreamingLoad(concurrency=4) as load:
+        wait_until(lambda: load.counts["ok"] >= 4, "4 streamed completions before the kill", 180)
+        killed_at = time.time()
+        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+
+        def dropped():
+            view = admin_client.controller_view(URL)
+            return view if victim not in {r.replica_id for r in view.replicas} else None
+
+        wait_until(dropped, f"the controller dropping killed replica {victim}", 30)
+        dropped_s = time.time() - killed_at
+
+        def replacement():
+            view = admin_client.controller_view(URL)
+            new = [r for r in view.replicas if r.replica_id not in before and r.chosen_policy is not None]
+            return new[0] if new else None
+
+        new = wait_until(replacement, "Serve's replacement replica with a policy from the controller", 300)
+        ok_then = load.counts["ok"]
+        wait_until(lambda: load.counts["ok"] >= ok_then + 4, "4 more completions after the replacement", 180)
+    print(f"\n[cluster] replica kill: {load.counts}, dropped by the controller after {dropped_s:.1f} s, "
+          f"replacement {new.replica_id} decided for {new.seconds_to_first_decision:.1f} s after its first "
+          f"report, warm: {new.started_warm}; {load.examples}")
+    # Only requests running on the killed replica may fail, and they must end, not hang.
+    assert load.counts["hang"] == 0, load.examples
+    assert load.counts["refused"] + load.counts["error_event"] + load.counts["cut"] <= 4, load.counts
+    assert new.started_warm and new.seconds_to_first_decision <= 2.0
+    assert dropped_s <= 2 * 1.0 + 2.0  # two control periods, plus the upkeep's own tick

@@ -142,12 +142,26 @@ def test_a_joining_replica_starts_from_its_deployments_acceptance():
         return pushed
 
     assert first_policy(warm).config_for(1).depth == learned
+    assert {r.replica_id: r.started_warm for r in warm.view(now=t + 1.0).replicas} == {"r1": False, "r2": True}
     cold = ControllerCore(config)
     # The same step-time model learned, but no acceptance.
     cold.deployments = {"m": dataclasses.replace(warm.deployments["m"], acceptance=AcceptanceModel(half_life_s=5.0))}
     assert first_policy(cold).config_for(1).depth < learned
     view = warm.view(now=t + 1.0).deployment("m")
     assert view.replicas == 2 and view.nodes == 1 and view.conditional_acceptance[0] > 0.8
+
+
+def test_late_replicas_are_the_ones_to_ask_ray_about():
+    """A replica that missed its report (1.5 periods) is listed with its actor id, so the
+    actor can ask Ray whether it died and drop it at once instead of after the timeout."""
+    core = ControllerCore(ControllerConfig(enabled=True, period_s=1.0, replica_timeout_s=30.0))
+    a, b = SimulatedReplica("a", 0.5), SimulatedReplica("b", 0.5, seed=1)
+    for rid, rep in (("a", a), ("b", b)):
+        tel = rep.telemetry(0.0, 1.0, 1, 1)
+        core.report(tel.model_copy(update={"info": INFO.model_copy(update={"actor_id": f"actor-{rid}"})}), now=1.0)
+    core.report(a.telemetry(1.0, 1.0, 1, 1), now=3.0)
+    assert core.late(now=3.0) == {"b": "actor-b"}
+    assert core.drop(["b"]) == ["b"] and list(core.replicas) == ["a"]
 
 
 def test_paused_controller_pushes_nothing():
