@@ -33,9 +33,9 @@ class FakeReplica:
         return self._queue_len
 
 
-def make_router(**kwargs) -> SpecAwareRouter:
+def make_router(cls: type = SpecAwareRouter, **kwargs) -> SpecAwareRouter:
     # The keyword arguments of Serve's own construction (Router._initialize_request_router).
-    router = SpecAwareRouter(
+    router = cls(
         deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.REPLICA, self_node_id="node",
         self_actor_id="ingress", self_actor_handle=None, use_replica_queue_len_cache=True,
         create_replica_wrapper_func=lambda info: info, prefer_local_node_routing=False,
@@ -120,3 +120,59 @@ def test_output_tokens_come_from_the_request():
         assert request_output_tokens(None) == request_output_tokens(pending(None)) > 0
         assert request_output_tokens(pending(None, max_completion_tokens=9)) == 9
     asyncio.run(go())
+
+
+def test_the_class_serve_ships_routes_the_same():
+    """Serve cloudpickles the router class by value from its import path and rebuilds it in
+    every handle; that copy must construct and rank the same way."""
+    from ray.serve.config import RequestRouterConfig
+
+    from serve_app.builder import SPEC_AWARE_ROUTER
+
+    shipped = RequestRouterConfig(request_router_class=SPEC_AWARE_ROUTER).get_request_router_class()
+    busy, idle = FakeReplica("busy", wire(running=6)), FakeReplica("idle", wire())
+
+    async def go():
+        router = make_router(shipped, max_stats_age_s=2.0)
+        router.update_replicas([busy, idle])
+        return await router.choose_replicas([busy, idle], pending(8))
+    assert [[r.replica_id.unique_id for r in rank] for rank in asyncio.run(go())] == [["idle"], ["busy"]]
+
+
+@pytest.mark.filterwarnings("ignore:coroutine 'LLMServer.__del__' was never awaited")
+def test_replica_reports_its_routing_stats_beside_ray_llms():
+    """SpecReplica.record_routing_stats over a fake engine (the replica is built without Serve)."""
+    from collections import deque
+
+    from adaspec.engine_contract import EngineReport
+    from adaspec.policy import SpecConfig, SpecPolicy
+    from adaspec.telemetry import EngineCapabilities, StepRecord
+    from serve_app.replica import ReplicaSettings, SpecReplica
+
+    now = time.time()
+    step = StepRecord(time=now, duration_s=0.2, batch_size=2, num_decode_reqs=2, scheduled_tokens=6,
+                      prefill_tokens=0, context_tokens=10, config=SpecConfig.parse("chain2"), policy_version=0,
+                      num_drafts=2, draft_k=2, drafted_per_pos=[2, 2], accepted_per_pos=[2, 1])
+
+    class Engine:
+        async def drain_report(self):
+            return EngineReport(steps=[step], requests=[], dropped_steps=0, waiting=3, running=2,
+                                policy=SpecPolicy.parse("chain2"))
+
+        def routing_stats(self):
+            return {"kv_events_endpoint": "tcp://127.0.0.1:1"}
+
+    replica = SpecReplica.__new__(SpecReplica)
+    replica.engine = Engine()
+    replica._settings = ReplicaSettings()
+    replica._steps, replica._requests, replica._arrivals, replica._finishes = deque(), deque(), deque(), deque()
+    replica._report = None
+    replica._metrics = SimpleNamespace(observe=lambda report, batch: None)
+    replica._capabilities = EngineCapabilities(engine="vllm", max_batch_size=16, max_k=4, supports_trees=False,
+                                               draft_method="ngram")
+    wire = asyncio.run(replica.record_routing_stats())
+    assert wire["kv_events_endpoint"] == "tcp://127.0.0.1:1"  # Ray Serve LLM's own stats stay
+    stats = RoutingStats.from_routing_stats(wire)
+    assert stats is not None and (stats.running, stats.waiting, stats.max_batch_size) == (2, 3, 16)
+    assert stats.step_s == pytest.approx(0.2) and stats.tokens_per_step == pytest.approx(2.5)
+    assert abs(stats.measured_at - time.time()) < 5
