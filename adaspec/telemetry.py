@@ -239,3 +239,68 @@ def read_profile(path: str, model_id: str | None = None) -> tuple[str, list[Step
     if not steps:
         raise ValueError(f"{path}: no profiled steps" + (f" of {model_id}" if model_id else ""))
     return model_id, steps
+
+
+# ----------------------------------------------------------------------------- routing
+
+ROUTING_STATS_KEY = "adaspec"  # adaspec's entry in the dict a replica gives Serve's request router
+ROUTING_RECENT_STEPS = 32  # decode steps a RoutingStats measures over (about 1-5 s under load)
+
+
+class RoutingStats(BaseModel):
+    """What a replica reports to the request router (Ray Serve's `record_routing_stats`), for
+    predicting how soon a new request would finish there (controller/routing.py).
+
+    Serve carries routing stats as a plain dict, so this crosses the boundary as
+    `{ROUTING_STATS_KEY: model_dump()}` next to whatever else the replica reports (Ray Serve
+    LLM's own KV-event endpoints), and is parsed back with `from_routing_stats`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    running: int = Field(ge=0, description="requests in the engine's running batch")
+    waiting: int = Field(ge=0, description="requests queued in the engine for a batch slot")
+    max_batch_size: int = Field(ge=1, description="largest batch the engine runs (requests)")
+    step_s: float | None = Field(
+        default=None, gt=0, description="mean seconds per decode step over the recent steps; None before any")
+    step_batch: float | None = Field(
+        default=None, gt=0, description="mean batch size (requests) of the steps step_s was measured over")
+    tokens_per_step: float = Field(
+        default=1.0, ge=1.0,
+        description="output tokens per sequence per decode step over the recent steps: 1 + mean accepted "
+        "draft tokens (1.0 without speculation)")
+    mean_output_tokens: float | None = Field(
+        default=None, gt=0, description="mean output tokens of recently finished requests; None before any")
+    measured_at: float = Field(description="unix seconds of the engine load above")
+
+    @classmethod
+    def measure(cls, steps: list[StepRecord], requests: list[RequestRecord], *, running: int, waiting: int,
+                max_batch_size: int, measured_at: float, recent: int = ROUTING_RECENT_STEPS) -> RoutingStats:
+        """The stats of a replica from its step and finished-request records (oldest first),
+        over the last `recent` decode steps and requests. Prefill-only steps are left out:
+        they say nothing about how fast a sequence decodes."""
+        decode = [s for s in steps if s.num_decode_reqs][-recent:]
+        done = requests[-recent:]
+        seqs = sum(s.num_decode_reqs for s in decode)
+        return cls(
+            running=running, waiting=waiting, max_batch_size=max_batch_size, measured_at=measured_at,
+            step_s=sum(s.duration_s for s in decode) / len(decode) if decode else None,
+            step_batch=sum(s.batch_size for s in decode) / len(decode) if decode else None,
+            tokens_per_step=(seqs + sum(sum(s.accepted_per_pos) for s in decode)) / seqs if seqs else 1.0,
+            mean_output_tokens=(sum(r.output_tokens for r in done) / len(done)
+                                if done and any(r.output_tokens for r in done) else None),
+        )
+
+    def to_routing_stats(self) -> dict:
+        """The entry a replica merges into the dict it returns to Serve."""
+        return {ROUTING_STATS_KEY: self.model_dump(mode="json")}
+
+    @classmethod
+    def from_routing_stats(cls, stats: object) -> RoutingStats | None:
+        """adaspec's stats out of a replica's Serve routing stats; None when they are missing
+        or not valid (an older replica, a replica still starting), so the router falls back."""
+        if not isinstance(stats, dict):
+            return None
+        try:
+            return cls.model_validate(stats.get(ROUTING_STATS_KEY))
+        except ValueError:  # pydantic's ValidationError is one
+            return None

@@ -140,5 +140,18 @@ class LoopbackCluster:
             time.sleep(0.5)
         for name in sessions:
             self.kill_node(name)
+        self._forget_current_cluster()
         time.sleep(1.0)
         return [f"{p.pid} {' '.join(p.cmdline())}" for sid in sessions.values() for p in session_processes(sid)]
+
+    def _forget_current_cluster(self) -> None:
+        """`ray start --head` records its address in /tmp/ray/ray_current_cluster, and a later
+        `ray.init()` with no address (Ray Serve LLM's builder calls one) joins the recorded
+        cluster instead of starting a local one: after this cluster is gone it would wait
+        for a dead GCS. Forget it, unless another cluster has recorded itself since."""
+        record = Path("/tmp/ray/ray_current_cluster")
+        try:
+            if record.read_text().strip().endswith(f":{self.port}"):
+                record.unlink()
+        except OSError:
+            pass

@@ -34,6 +34,17 @@ def _is_model(annotation: object) -> bool:
     return isinstance(annotation, type) and issubclass(annotation, BaseModel)
 
 
+def nested_model(annotation: object) -> type[BaseModel] | None:
+    """The model a field holds, itself or optional (`AutoscalingSettings | None`), else None."""
+    if _is_model(annotation):
+        return annotation  # type: ignore[return-value]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        models = [a for a in typing.get_args(annotation) if _is_model(a)]
+        if len(models) == 1:
+            return models[0]
+    return None
+
+
 def type_name(annotation: object) -> str:
     """A field's type as a reader writes it in YAML terms: `int`, `one of a, b`, `str or null`."""
     if annotation is type(None):
@@ -77,6 +88,8 @@ def yaml_value(value: object) -> str:
 def default_text(name: str, field) -> str:
     if _is_model(field.annotation):
         return f"see [{name}](#{name})"
+    if nested_model(field.annotation) is not None and field.default is None:
+        return f"`null`; fields: [{name}](#{name})"
     if field.default_factory is not None:
         return f"`{yaml_value(field.default_factory())}`"
     if field.default is PydanticUndefined:
@@ -109,9 +122,10 @@ def render() -> str:
     lines = ["### Top level", "", _doc(AppConfig), ""]
     lines += model_table(AppConfig, "")
     for name, field in AppConfig.model_fields.items():
-        if _is_model(field.annotation):
-            lines += ["", f"### {name}", "", _doc(field.annotation), ""]
-            lines += model_table(field.annotation, f"{name}.")
+        model = nested_model(field.annotation)
+        if model is not None:
+            lines += ["", f"### {name}", "", _doc(model), ""]
+            lines += model_table(model, f"{name}.")
     return "\n".join(lines) + "\n"
 
 

@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application
 
 from adaspec.models import resolve_model
@@ -94,6 +95,47 @@ def llm_config(cfg: AppConfig) -> LLMConfig:
     )
 
 
+# How often Serve's controller asks each replica for its RoutingStats (seconds), how long it
+# waits for the answer, and the age past which the router stops trusting them: a few
+# periods, so that one late answer does not switch the router to its fallback.
+ROUTING_STATS_PERIOD_S = 0.5
+ROUTING_STATS_TIMEOUT_S = 5.0
+ROUTING_MAX_STATS_AGE_S = 4 * ROUTING_STATS_PERIOD_S
+SPEC_AWARE_ROUTER = "serve_app.router:SpecAwareRouter"
+
+
+def request_router_config(cfg: AppConfig) -> RequestRouterConfig | None:
+    """Serve's request-router config of the replica deployment; None for Serve's default
+    (power of two choices). Building it imports the router class, so a broken router fails
+    here, at `serve run`, not in the first request."""
+    if cfg.router != "spec_aware":
+        return None
+    return RequestRouterConfig(
+        request_router_class=SPEC_AWARE_ROUTER,
+        request_router_kwargs={"max_stats_age_s": ROUTING_MAX_STATS_AGE_S},
+        request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+        request_routing_stats_timeout_s=ROUTING_STATS_TIMEOUT_S,
+    )
+
+
+def _scaling_and_routing(cfg: AppConfig) -> dict[str, Any]:
+    """The replica count (or Serve's autoscaling_config) and the request router: Serve
+    deployment options, in LLMConfig.deployment_config."""
+    out: dict[str, Any]
+    if cfg.autoscaling is None:
+        out = {"num_replicas": cfg.num_replicas}
+    else:
+        auto = cfg.autoscaling
+        out = {"autoscaling_config": {
+            "min_replicas": auto.min_replicas, "max_replicas": auto.max_replicas,
+            "target_ongoing_requests": auto.target_ongoing_requests or cfg.max_num_seqs,
+        }}
+    router = request_router_config(cfg)
+    if router is not None:
+        out["request_router_config"] = router
+    return out
+
+
 def _placement(cfg: AppConfig) -> dict[str, Any]:
     """Resources, replicas and environment of the replica deployment (LLMConfig fields)."""
     if cfg.accelerator == "cpu":
@@ -104,7 +146,7 @@ def _placement(cfg: AppConfig) -> dict[str, Any]:
             # thread in the replica actor); the replica actor itself takes none, so the
             # app (ingress 0, replica 1, controller 0) starts on a 2-core machine.
             "placement_group_config": {"bundles": [{"CPU": 1}]},
-            "deployment_config": {"num_replicas": cfg.num_replicas, "ray_actor_options": {"num_cpus": 0}},
+            "deployment_config": {**_scaling_and_routing(cfg), "ray_actor_options": {"num_cpus": 0}},
             # Ray sets OMP_NUM_THREADS to the actor's CPUs; the engine wants the cores.
             "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads)}},
         }
@@ -113,7 +155,7 @@ def _placement(cfg: AppConfig) -> dict[str, Any]:
         # (merged into the first bundle by ray.serve.llm). Not yet run on a GPU.
         return {
             "placement_group_config": {"bundles": [{"CPU": 1}]},
-            "deployment_config": {"num_replicas": cfg.num_replicas,
+            "deployment_config": {**_scaling_and_routing(cfg),
                                   "ray_actor_options": {"num_cpus": 0, "num_gpus": 1}},
         }
     return {
@@ -121,7 +163,7 @@ def _placement(cfg: AppConfig) -> dict[str, Any]:
             "bundles": [{"GPU": 1, "CPU": 1}] * cfg.tensor_parallel_size,
             "strategy": "STRICT_PACK",  # tensor parallelism stays within one node
         },
-        "deployment_config": {"num_replicas": cfg.num_replicas},
+        "deployment_config": _scaling_and_routing(cfg),
     }
 
 

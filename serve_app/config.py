@@ -74,6 +74,22 @@ class AdminConfig(_Strict):
     token: str | None = Field(default=None, description="bearer token required on /admin routes")
 
 
+class AutoscalingSettings(_Strict):
+    """Ray Serve's own replica autoscaling (its `autoscaling_config` on the replica deployment)."""
+
+    min_replicas: int = Field(default=1, ge=1, description="fewest replicas (at least 1: an engine takes minutes to start)")
+    max_replicas: int = Field(default=2, ge=1, description="most replicas")
+    target_ongoing_requests: float | None = Field(
+        default=None, gt=0,
+        description="requests per replica Serve scales to keep (running and queued); default max_num_seqs")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> AutoscalingSettings:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("min_replicas must be <= max_replicas")
+        return self
+
+
 class AppConfig(_Strict):
     """One adaspec application: an OpenAI ingress and N speculative replicas of one model."""
 
@@ -96,6 +112,14 @@ class AppConfig(_Strict):
         description="GPUs per replica (gpu only): one placement-group bundle each, packed on one node",
     )
     num_replicas: int = Field(default=1, ge=1, description="engine replicas (one engine each)")
+    autoscaling: AutoscalingSettings | None = Field(
+        default=None,
+        description="scale the replicas with Ray Serve's autoscaler instead (then leave num_replicas at 1)")
+    routing: Literal["spec_aware", "power_of_two"] | None = Field(
+        default=None,
+        description="request router across replicas: `spec_aware` (least predicted completion time from each "
+        "replica's batch, queue, step time and accepted tokens; docs/routing.md) or Ray Serve's "
+        "`power_of_two`; default spec_aware when more than one replica can run")
     max_model_len: int = Field(default=2048, ge=16, description="context window (tokens)")
     max_num_seqs: int = Field(default=64, ge=1, description="largest running batch (requests)")
     kv_cache_gib: float | None = Field(
@@ -136,6 +160,9 @@ class AppConfig(_Strict):
             raise ValueError("tree_budget: token trees need engine: native")
         if self.accelerator == "cpu" and self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 needs accelerator: gpu")
+        if self.autoscaling is not None and self.num_replicas != 1:
+            raise ValueError("num_replicas: a fixed replica count and autoscaling exclude each other; "
+                             "set autoscaling.min_replicas/max_replicas instead")
         return self
 
     def _check_native(self) -> None:
@@ -153,6 +180,14 @@ class AppConfig(_Strict):
     @property
     def model_id(self) -> str:
         return self.served_model_name or self.model
+
+    @property
+    def router(self) -> Literal["spec_aware", "power_of_two"]:
+        """The request router in force: `routing`, or spec_aware when more than one replica can run."""
+        if self.routing is not None:
+            return self.routing
+        most = self.autoscaling.max_replicas if self.autoscaling else self.num_replicas
+        return "spec_aware" if most > 1 else "power_of_two"
 
     def check_engine_kwargs(self) -> None:
         """Reject engine_kwargs that are not vLLM engine arguments or that adaspec owns."""

@@ -1,4 +1,5 @@
-"""Ray Serve LLM as adaspec uses it: the one module that imports `ray.llm._internal`.
+"""Ray Serve LLM as adaspec uses it: the one module that imports `ray.llm._internal` (and
+Ray Serve's own internals).
 
 The public API (`ray.serve.llm`) is used wherever it has what adaspec needs; each internal
 import below says why it does not. Internal modules move between Ray releases, so Ray is
@@ -37,6 +38,9 @@ from ray.llm._internal.serve.core.configs.openai_api_models import (
 )
 # The route table of OpenAiIngress, so adaspec's ingress keeps the OpenAI routes as they are.
 from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS
+# Serve's power-of-two-choices router, the fallback of serve_app/router.py's router (subclassed,
+# not rewritten); ray.serve.request_router exports the base class and its mixins, not it.
+from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 # One actor call to every replica of a deployment (the admin routes); Serve has no public
 # broadcast, and a DeploymentHandle call reaches one replica.
 from ray.llm._internal.serve.utils.broadcast import broadcast
@@ -47,6 +51,6 @@ PINNED_RAY_MINOR = "2.60"
 __all__ = [
     "ChatCompletionRequest", "ChatCompletionResponse", "ChatCompletionStreamResponse", "CompletionRequest",
     "CompletionResponse", "CompletionStreamResponse", "DEFAULT_ENDPOINTS", "ErrorInfo", "ErrorResponse",
-    "LLMConfig", "LLMEngine", "LLMServer", "OpenAIHTTPException", "OpenAiIngress", "PINNED_RAY_MINOR",
+    "LLMConfig", "LLMEngine", "LLMServer", "OpenAIHTTPException", "OpenAiIngress", "PINNED_RAY_MINOR", "PowerOfTwoChoicesRequestRouter",
     "VLLMEngine", "broadcast", "build_llm_deployment", "make_fastapi_ingress", "to_model_metadata",
 ]

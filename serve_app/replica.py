@@ -17,6 +17,7 @@ window and exports them as Prometheus metrics through Ray's metrics API.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections import deque
@@ -26,12 +27,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from adaspec.engine_contract import EngineReport
 from adaspec.policy import PolicyAck, SpecPolicy
+import ray
 from adaspec.telemetry import (
-    ControllerReply, EngineCapabilities, ReplicaInfo, ReplicaTelemetry, RequestRecord, StepRecord,
-    summarize_acceptance,
+    ROUTING_RECENT_STEPS, ControllerReply, EngineCapabilities, ReplicaInfo, ReplicaTelemetry, RequestRecord,
+    RoutingStats, StepRecord, summarize_acceptance,
 )
 from controller.config import ControllerConfig
-import ray
 from ray import serve
 from ray.util import metrics
 from serve_app.ray_llm import LLMServer
@@ -219,3 +220,20 @@ class SpecReplica(LLMServer):
                 await self._poll_engine()
             except Exception:  # keep serving; the next poll retries
                 logger.exception("adaspec: telemetry poll failed")
+
+    # ------------------------------------------------------------------ request routing
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Serve's request-router hook, called by Serve's controller every
+        request_routing_stats_period_s: LLMServer's own stats (the engine's KV-event
+        endpoints) plus this replica's RoutingStats under its key (serve_app/router.py)."""
+        stats = dict(await super().record_routing_stats() or {})
+        await self._poll_engine()  # the load now, not at the last poll
+        assert self._report is not None
+        measured_at = time.time()
+        # Newest records only (the window holds minutes of them); a few times the steps a
+        # measure uses, as prefill-only steps do not count.
+        steps = list(itertools.islice(reversed(self._steps), 4 * ROUTING_RECENT_STEPS))[::-1]
+        requests = list(itertools.islice(reversed(self._requests), ROUTING_RECENT_STEPS))[::-1]
+        ours = RoutingStats.measure(steps, requests, running=self._report.running, waiting=self._report.waiting,
+                                    max_batch_size=self._info.capabilities.max_batch_size, measured_at=measured_at)
+        return {**stats, **ours.to_routing_stats()}

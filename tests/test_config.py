@@ -127,3 +127,73 @@ def test_admin_routes_are_guarded(admin, headers, status):
         with pytest.raises(OpenAIHTTPException) as err:
             ingress._check_admin(_request(headers))
         assert err.value.status_code == status
+
+
+@pytest.mark.parametrize("args,field", [
+    ({"routing": "round_robin"}, "routing"),
+    ({"autoscaling": {"min_replicas": 3, "max_replicas": 2}}, "autoscaling"),
+    ({"autoscaling": {"min_replicas": 0}}, "autoscaling.min_replicas"),
+    ({"autoscaling": {"target_ongoing_requests": 0}}, "autoscaling.target_ongoing_requests"),
+    ({"autoscaling": {"max_replica": 3}}, "autoscaling.max_replica"),
+    ({"num_replicas": 2, "autoscaling": {"max_replicas": 3}}, "num_replicas"),
+])
+def test_bad_scaling_or_routing_names_the_field(args, field):
+    with pytest.raises(ValidationError) as err:
+        AppConfig.model_validate(args)
+    assert field.split(".")[0] in str(err.value)
+    if "." in field:
+        assert field in str(err.value)
+
+
+@pytest.mark.parametrize("args,router", [
+    ({}, "power_of_two"),
+    ({"num_replicas": 2}, "spec_aware"),
+    ({"autoscaling": {"max_replicas": 3}}, "spec_aware"),
+    ({"autoscaling": {"max_replicas": 1}}, "power_of_two"),
+    ({"num_replicas": 2, "routing": "power_of_two"}, "power_of_two"),
+    ({"routing": "spec_aware"}, "spec_aware"),
+])
+def test_spec_aware_routing_is_the_default_with_more_than_one_replica(args, router):
+    assert AppConfig.model_validate(args).router == router
+
+
+def test_replica_deployment_gets_the_router_and_the_replica_count():
+    from ray.serve.config import RequestRouterConfig
+
+    from serve_app.builder import ROUTING_MAX_STATS_AGE_S, ROUTING_STATS_PERIOD_S
+    from serve_app.router import SpecAwareRouter
+
+    options = llm_config(AppConfig(num_replicas=2)).deployment_config
+    assert options["num_replicas"] == 2 and "autoscaling_config" not in options
+    router = options["request_router_config"]
+    assert isinstance(router, RequestRouterConfig)
+    assert router.request_router_class == "serve_app.router:SpecAwareRouter"
+    assert router.request_routing_stats_period_s == ROUTING_STATS_PERIOD_S
+    assert router.request_router_kwargs == {"max_stats_age_s": ROUTING_MAX_STATS_AGE_S}
+    # What Serve's handle unpickles and constructs (by value, as Serve ships it).
+    assert router.get_request_router_class().__name__ == SpecAwareRouter.__name__
+    assert "request_router_config" not in llm_config(AppConfig()).deployment_config  # one replica: Serve's own
+
+
+@pytest.mark.parametrize("engine", ["vllm", "native"])
+def test_autoscaling_is_passed_to_serve(engine):
+    cfg = AppConfig(engine=engine, max_num_seqs=16, autoscaling={"min_replicas": 1, "max_replicas": 3})
+    options = llm_config(cfg).deployment_config
+    assert "num_replicas" not in options
+    assert options["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 16}
+    assert options["request_router_config"].request_router_class == "serve_app.router:SpecAwareRouter"
+
+
+def test_gpu_app_gets_the_router_too():
+    cfg = AppConfig.from_yaml(str(REPO / "configs" / "app-gpu-tp2.yaml")).model_copy(update={"num_replicas": 2})
+    options = llm_config(cfg).deployment_config
+    assert options["num_replicas"] == 2 and "request_router_config" in options
+
+
+def test_build_app_with_autoscaling_and_router():
+    args = AppConfig.from_yaml(str(REPO / "configs" / "app.yaml")).model_dump()
+    args.update(autoscaling={"min_replicas": 1, "max_replicas": 2}, num_replicas=1)
+    replicas = next(iter(build_app(args)._bound_deployment.init_kwargs["llm_deployments"].values()))
+    config = replicas._bound_deployment._deployment_config
+    assert config.autoscaling_config.max_replicas == 2
+    assert config.request_router_config.request_router_class == "serve_app.router:SpecAwareRouter"

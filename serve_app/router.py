@@ -1,0 +1,112 @@
+"""The speculation-aware request router of the replica deployment (`routing: spec_aware`).
+
+Ray Serve runs one router per DeploymentHandle of the replica deployment, i.e. inside the
+ingress replica(s), whose OpenAI routes call the replicas through a handle. Every
+`request_routing_stats_period_s` Serve's controller calls each replica's
+`record_routing_stats` (serve_app/replica.py: a `RoutingStats` under its key) and broadcasts
+the dicts to every handle, where they appear as `RunningReplica.routing_stats`.
+
+For each request `choose_replicas` ranks the candidates Serve gives it (live replicas only)
+by predicted completion time (controller/routing.py), best first, one replica per rank: Serve
+sends the request to the first that accepts it (below its max_ongoing_requests). When any
+candidate's stats are missing or stale, or none has measured a step yet, it falls back to
+Serve's own power-of-two choices for that request (the base class).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import deque
+from typing import Any
+
+from adaspec.telemetry import RoutingStats
+from controller.routing import DEFAULT_OUTPUT_TOKENS, FIXED_STEP_SHARE, TIE_TOLERANCE, rank_replicas
+from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
+from serve_app.ray_llm import PowerOfTwoChoicesRequestRouter
+
+logger = logging.getLogger("ray.serve")
+
+# Stats older than this (seconds) are stale; the builder sets it from the stats period.
+DEFAULT_MAX_STATS_AGE_S = 2.0
+
+
+def request_output_tokens(pending_request: PendingRequest | None) -> int:
+    """The output tokens a request asks for (max_tokens, or max_completion_tokens for chat),
+    DEFAULT_OUTPUT_TOKENS when it does not say."""
+    body = pending_request.args[0] if pending_request is not None and pending_request.args else None
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = getattr(body, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return DEFAULT_OUTPUT_TOKENS
+
+
+class SpecAwareRouter(PowerOfTwoChoicesRequestRouter):
+    """Least predicted completion time, from the replicas' RoutingStats; Serve's
+    power-of-two choices when the stats cannot tell."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.initialize_state()
+
+    def initialize_state(self, max_stats_age_s: float = DEFAULT_MAX_STATS_AGE_S,
+                         fixed_step_share: float = FIXED_STEP_SHARE, tie_tolerance: float = TIE_TOLERANCE,
+                         **kwargs: Any) -> None:
+        """Serve calls this with RequestRouterConfig.request_router_kwargs (seconds; shares)."""
+        super().initialize_state(**kwargs)
+        self._max_stats_age_s = max_stats_age_s
+        self._fixed_step_share = fixed_step_share
+        self._tie_tolerance = tie_tolerance
+        self._rng = random.Random()
+        # Unix seconds of the requests sent to each replica lately: the stats lag by up to a
+        # period, and without these a burst would all go to the replica that was best then.
+        self._sent: dict[ReplicaID, deque[float]] = {}
+        self._spec_aware: bool | None = None  # the mode of the last choice, to log changes only
+
+    # ------------------------------------------------------------------ routing
+    def rank(self, candidate_replicas: list[RunningReplica],
+             pending_request: PendingRequest | None = None) -> list[RunningReplica] | None:
+        """The candidates best first, or None when their stats cannot tell."""
+        now = self._get_curr_time_s()
+        candidates = [(r.replica_id, RoutingStats.from_routing_stats(r.routing_stats)) for r in candidate_replicas]
+        sent = {rid: sum(1 for t in self._sent.get(rid, ()) if t > s.measured_at)
+                for rid, s in candidates if s is not None}
+        ranked = rank_replicas(candidates, now, self._max_stats_age_s,
+                               output_tokens=request_output_tokens(pending_request), sent=sent,
+                               fixed_share=self._fixed_step_share, tie_tolerance=self._tie_tolerance, rng=self._rng)
+        if ranked is None:
+            return None
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        return [by_id[rid] for rid in ranked]
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        ranked = self.rank(candidate_replicas, pending_request) if candidate_replicas else None
+        self._log_mode(ranked is not None)
+        if ranked is None:
+            return await super().choose_replicas(candidate_replicas, pending_request)
+        if pending_request is not None:
+            # Every candidate is ranked: if all of them are full, Serve must back off before
+            # asking again (it does not when a locality pass is still to come).
+            pending_request.routing_context.should_backoff = True
+        return [[r] for r in ranked]
+
+    def _log_mode(self, spec_aware: bool) -> None:
+        if spec_aware != self._spec_aware:
+            logger.info("adaspec router: %s", "speculation-aware" if spec_aware
+                        else "power of two choices (replica routing stats missing or stale)")
+            self._spec_aware = spec_aware
+
+    # ------------------------------------------------------------------ Serve's callbacks
+    def on_send_request(self, replica_id: ReplicaID) -> None:
+        super().on_send_request(replica_id)
+        now = self._get_curr_time_s()
+        sent = self._sent.setdefault(replica_id, deque())
+        sent.append(now)
+        while sent and sent[0] < now - self._max_stats_age_s:  # older ones precede any fresh stats
+            sent.popleft()
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._sent.pop(replica_id, None)

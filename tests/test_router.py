@@ -1,0 +1,178 @@
+"""SpecAwareRouter (serve_app/router.py) constructed the way Ray Serve's handle constructs it
+(ray/serve/_private/router.py), over fake replicas: no Ray cluster, no engine."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from adaspec.telemetry import ReplicaInfo, RoutingStats
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID
+from ray.serve.request_router import PendingRequest, ReplicaID
+from serve_app.router import SpecAwareRouter, request_output_tokens
+
+DEPLOYMENT = DeploymentID(name="SpecReplica:smollm2", app_name="adaspec")
+
+
+class FakeReplica:
+    """What a router reads of a RunningReplica."""
+
+    def __init__(self, name: str, routing_stats: dict, queue_len: int = 0):
+        self.replica_id = ReplicaID(unique_id=name, deployment_id=DEPLOYMENT)
+        self.routing_stats = routing_stats
+        self.node_id, self.availability_zone = "node", None
+        self.multiplexed_model_ids: set[str] = set()
+        self.max_ongoing_requests = 64
+        self.is_cross_language = False
+        self._queue_len = queue_len
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        return self._queue_len
+
+
+def make_router(cls: type = SpecAwareRouter, **kwargs) -> SpecAwareRouter:
+    # The keyword arguments of Serve's own construction (Router._initialize_request_router).
+    router = cls(
+        deployment_id=DEPLOYMENT, handle_source=DeploymentHandleSource.REPLICA, self_node_id="node",
+        self_actor_id="ingress", self_actor_handle=None, use_replica_queue_len_cache=True,
+        create_replica_wrapper_func=lambda info: info, prefer_local_node_routing=False,
+        prefer_local_az_routing=False, self_availability_zone=None)
+    router.initialize_state(**kwargs)  # request_router_kwargs
+    return router
+
+
+def wire(running=0, waiting=0, *, tokens_per_step=1.0, age_s=0.1, step_s=0.1) -> dict:
+    stats = RoutingStats(running=running, waiting=waiting, max_batch_size=8, step_s=step_s, step_batch=1.0,
+                         tokens_per_step=tokens_per_step, measured_at=time.time() - age_s)
+    return {"kv_events": None, **stats.to_routing_stats()}
+
+
+def pending(max_tokens: int | None = None, **fields) -> PendingRequest:
+    """A request as the ingress sends it (body, raw request info); needs a running loop."""
+    body = SimpleNamespace(max_tokens=max_tokens, **fields)
+    return PendingRequest(args=[body, None], kwargs={}, metadata=SimpleNamespace(multiplexed_model_id=""))
+
+
+def route(replicas: list[FakeReplica], max_tokens: int | None = None, **kwargs):
+    """(the pending request, the ranks the router chose for it)."""
+    async def go():
+        router = make_router(**kwargs)
+        router.update_replicas(replicas)
+        request = pending(max_tokens)
+        ranks = await router.choose_replicas(list(replicas), request)
+        await asyncio.sleep(0)  # let update_replicas' queue probe finish
+        return request, ranks
+    return asyncio.run(go())
+
+
+def test_ranks_every_candidate_best_first_one_per_rank():
+    busy, idle, spec = (FakeReplica("busy", wire(running=6)), FakeReplica("idle", wire()),
+                        FakeReplica("spec", wire(tokens_per_step=2.5)))
+    request, ranks = route([busy, idle, spec], 64)
+    assert [[r.replica_id.unique_id for r in rank] for rank in ranks] == [["spec"], ["idle"], ["busy"]]
+    assert request.routing_context.should_backoff  # all ranked: Serve backs off if all are full
+
+
+@pytest.mark.parametrize("broken", ["stale", "missing", "invalid"])
+def test_stale_or_missing_stats_fall_back_to_power_of_two(broken):
+    other = {"stale": wire(age_s=60.0), "missing": {}, "invalid": {"adaspec": {"running": "x"}}}[broken]
+    replicas = [FakeReplica("a", wire()), FakeReplica("b", other), FakeReplica("c", wire())]
+    _, ranks = route(replicas, 16)
+    # Serve's power of two: one rank of two distinct random candidates.
+    assert len(ranks) == 1 and len(ranks[0]) == 2 and len({r.replica_id for r in ranks[0]}) == 2
+    assert {r.replica_id for r in ranks[0]} <= {r.replica_id for r in replicas}
+
+
+def test_never_chooses_a_replica_that_is_not_a_candidate():
+    alive, dead = FakeReplica("alive", wire(running=7)), FakeReplica("dead", wire())
+
+    async def go():
+        router = make_router()
+        router.update_replicas([alive, dead])
+        router.on_replica_actor_died(dead.replica_id)
+        return await router.choose_replicas([alive], pending())
+    ranks = asyncio.run(go())
+    assert [[r.replica_id.unique_id for r in rank] for rank in ranks] == [["alive"]]
+
+
+def test_requests_sent_since_the_stats_steer_the_next_ones():
+    a, b = FakeReplica("a", wire()), FakeReplica("b", wire(running=1))
+
+    async def go():
+        router = make_router()
+        router.update_replicas([a, b])
+        firsts = []
+        for _ in range(4):
+            (first, *_), *_ = await router.choose_replicas([a, b], pending(32))
+            router.on_send_request(first.replica_id)  # what Serve calls once it has sent it
+            firsts.append(first.replica_id.unique_id)
+        return firsts
+    firsts = asyncio.run(go())
+    assert firsts[0] == "a" and "b" in firsts  # a takes the first, then the load evens out
+
+
+def test_output_tokens_come_from_the_request():
+    async def go():
+        assert request_output_tokens(pending(17)) == 17
+        assert request_output_tokens(None) == request_output_tokens(pending(None)) > 0
+        assert request_output_tokens(pending(None, max_completion_tokens=9)) == 9
+    asyncio.run(go())
+
+
+def test_the_class_serve_ships_routes_the_same():
+    """Serve cloudpickles the router class by value from its import path and rebuilds it in
+    every handle; that copy must construct and rank the same way."""
+    from ray.serve.config import RequestRouterConfig
+
+    from serve_app.builder import SPEC_AWARE_ROUTER
+
+    shipped = RequestRouterConfig(request_router_class=SPEC_AWARE_ROUTER).get_request_router_class()
+    busy, idle = FakeReplica("busy", wire(running=6)), FakeReplica("idle", wire())
+
+    async def go():
+        router = make_router(shipped, max_stats_age_s=2.0)
+        router.update_replicas([busy, idle])
+        return await router.choose_replicas([busy, idle], pending(8))
+    assert [[r.replica_id.unique_id for r in rank] for rank in asyncio.run(go())] == [["idle"], ["busy"]]
+
+
+@pytest.mark.filterwarnings("ignore:coroutine 'LLMServer.__del__' was never awaited")
+def test_replica_reports_its_routing_stats_beside_ray_llms():
+    """SpecReplica.record_routing_stats over a fake engine (the replica is built without Serve)."""
+    from collections import deque
+
+    from adaspec.engine_contract import EngineReport
+    from adaspec.policy import SpecConfig, SpecPolicy
+    from adaspec.telemetry import EngineCapabilities, StepRecord
+    from serve_app.replica import ReplicaSettings, SpecReplica
+
+    now = time.time()
+    step = StepRecord(time=now, duration_s=0.2, batch_size=2, num_decode_reqs=2, scheduled_tokens=6,
+                      prefill_tokens=0, context_tokens=10, config=SpecConfig.parse("chain2"), policy_version=0,
+                      num_drafts=2, draft_k=2, drafted_per_pos=[2, 2], accepted_per_pos=[2, 1])
+
+    class Engine:
+        async def drain_report(self):
+            return EngineReport(steps=[step], requests=[], dropped_steps=0, waiting=3, running=2,
+                                policy=SpecPolicy.parse("chain2"))
+
+        def routing_stats(self):
+            return {"kv_events_endpoint": "tcp://127.0.0.1:1"}
+
+    replica = SpecReplica.__new__(SpecReplica)
+    replica.engine = Engine()
+    replica._settings = ReplicaSettings()
+    replica._steps, replica._requests, replica._arrivals, replica._finishes = deque(), deque(), deque(), deque()
+    replica._report = None
+    replica._metrics = SimpleNamespace(observe=lambda report, batch: None)
+    caps = EngineCapabilities(engine="vllm", max_batch_size=16, max_k=4, supports_trees=False, draft_method="ngram")
+    replica._info = ReplicaInfo(capabilities=caps, node_id="node-a")
+    wire = asyncio.run(replica.record_routing_stats())
+    assert wire["kv_events_endpoint"] == "tcp://127.0.0.1:1"  # Ray Serve LLM's own stats stay
+    stats = RoutingStats.from_routing_stats(wire)
+    assert stats is not None and (stats.running, stats.waiting, stats.max_batch_size) == (2, 3, 16)
+    assert stats.step_s == pytest.approx(0.2) and stats.tokens_per_step == pytest.approx(2.5)
+    assert abs(stats.measured_at - time.time()) < 5

@@ -1,0 +1,147 @@
+"""Speculation-aware routing: the completion-time model (controller/routing.py), the stats a
+replica reports (adaspec/telemetry.py RoutingStats) and their round trip through Serve's
+routing-stats dict. Pure: no Ray, no engine."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from adaspec.policy import SpecConfig
+from adaspec.telemetry import ROUTING_STATS_KEY, RequestRecord, RoutingStats, StepRecord
+from controller.routing import choose_replica, predicted_completion_s, rank_replicas, step_time_s
+
+NOW = 1_000.0
+
+
+def stats(running=0, waiting=0, *, step_s=0.1, step_batch=1.0, tokens_per_step=1.0, max_batch=8,
+          mean_output=None, age_s=0.1) -> RoutingStats:
+    return RoutingStats(running=running, waiting=waiting, max_batch_size=max_batch, step_s=step_s,
+                        step_batch=step_batch, tokens_per_step=tokens_per_step,
+                        mean_output_tokens=mean_output, measured_at=NOW - age_s)
+
+
+def test_step_time_scales_from_the_measured_batch():
+    s = stats(step_s=0.2, step_batch=4.0)
+    assert step_time_s(s, 4) == pytest.approx(0.2)
+    assert step_time_s(s, 8) == pytest.approx(0.2 * (0.5 + 0.5 * 2))
+    assert step_time_s(s, 8, fixed_share=0.0) == pytest.approx(0.4)
+    assert step_time_s(s, 0) == step_time_s(s, 1)  # an empty batch costs what one request does
+
+
+def test_idle_replica_predicts_its_own_decode():
+    # 100 tokens at 0.1 s a step, 1 token a step, batch 1 = the measured batch.
+    assert predicted_completion_s(stats(), 100, NOW) == pytest.approx(10.0)
+    # Two tokens a step (speculation accepting one draft token on average): half the time.
+    assert predicted_completion_s(stats(tokens_per_step=2.0), 100, NOW) == pytest.approx(5.0)
+
+
+def test_loaded_replica_loses_to_an_idle_one():
+    cands = [("busy", stats(running=6, waiting=0)), ("idle", stats())]
+    assert choose_replica(cands, NOW, 2.0, output_tokens=64) == "idle"
+    assert rank_replicas(cands, NOW, 2.0, output_tokens=64) == ["idle", "busy"]
+
+
+def test_higher_tokens_per_step_wins_at_equal_load():
+    cands = [("plain", stats(running=3, tokens_per_step=1.1)), ("speculates", stats(running=3, tokens_per_step=2.4))]
+    for seed in range(10):
+        assert choose_replica(cands, NOW, 2.0, output_tokens=64, rng=random.Random(seed)) == "speculates"
+
+
+def test_good_speculation_can_outweigh_a_little_load():
+    # 2 running at 2.5 tokens/step finishes before 1 running at 1 token/step.
+    cands = [("light", stats(running=1, tokens_per_step=1.0)), ("spec", stats(running=2, tokens_per_step=2.5))]
+    assert choose_replica(cands, NOW, 2.0) == "spec"
+
+
+@pytest.mark.parametrize("bad", [None, "stale"])
+def test_missing_or_stale_stats_mean_no_choice(bad):
+    other = stats(age_s=10.0) if bad == "stale" else None
+    assert choose_replica([("a", stats()), ("b", other)], NOW, 2.0) is None
+    assert rank_replicas([("a", stats()), ("b", other)], NOW, 2.0) is None
+    assert choose_replica([], NOW, 2.0) is None
+
+
+def test_no_replica_measured_means_no_choice():
+    unmeasured = stats(step_s=None, step_batch=None)
+    assert choose_replica([("a", unmeasured), ("b", unmeasured)], NOW, 2.0) is None
+
+
+def test_new_replica_borrows_the_fleet_step_time():
+    # A replica that has not decoded yet is priced like the others at batch 1: it is idle, so it wins.
+    fresh = stats(step_s=None, step_batch=None)
+    cands = [("old", stats(running=4, step_s=0.2, step_batch=4.0)), ("new", fresh)]
+    assert choose_replica(cands, NOW, 2.0) == "new"
+
+
+def test_full_batch_waits_for_a_slot():
+    # 8 running, 8 max, 4 waiting: the request is 5th in line for a slot. A slot frees every
+    # L * t(8) / tokens / 8 seconds: 80 * 0.1 / 1 / 8 = 1 s (step time measured at batch 8).
+    full = stats(running=8, waiting=4, step_s=0.1, step_batch=8.0, mean_output=80, age_s=0.0)
+    decode = 50 * 0.1
+    assert predicted_completion_s(full, 50, NOW) == pytest.approx(5 * 1.0 + decode)
+    # Half a second later the queue has drained by half a second.
+    assert predicted_completion_s(full, 50, NOW + 0.5) == pytest.approx(4.5 + decode)
+    # A replica with free slots and a slower step still wins against the queue.
+    cands = [("full", full), ("slow-free", stats(running=7, step_s=0.15, step_batch=8.0, age_s=0.0))]
+    assert choose_replica(cands, NOW, 2.0, output_tokens=50) == "slow-free"
+
+
+def test_queue_without_finished_requests_uses_the_request_length():
+    full = stats(running=8, waiting=0, step_s=0.1, step_batch=8.0, age_s=0.0)
+    assert predicted_completion_s(full, 80, NOW) == pytest.approx(1 * 80 * 0.1 / 8 + 80 * 0.1)
+
+
+def test_requests_sent_since_the_stats_count_as_load():
+    cands = [("a", stats()), ("b", stats())]
+    assert choose_replica(cands, NOW, 2.0, sent={"a": 3}) == "b"
+    assert choose_replica(cands, NOW, 2.0, sent={"b": 3}) == "a"
+
+
+def test_ties_are_broken_at_random_among_the_tied():
+    cands = [("a", stats()), ("b", stats()), ("loaded", stats(running=5))]
+    firsts = {choose_replica(cands, NOW, 2.0, rng=random.Random(seed)) for seed in range(40)}
+    assert firsts == {"a", "b"}
+    for seed in range(5):
+        assert rank_replicas(cands, NOW, 2.0, rng=random.Random(seed))[-1] == "loaded"
+
+
+def _step(t, *, decode, accepted, duration=0.1, prefill=0):
+    return StepRecord(time=t, duration_s=duration, batch_size=decode or 1, num_decode_reqs=decode,
+                      scheduled_tokens=decode + prefill, prefill_tokens=prefill, context_tokens=0,
+                      config=SpecConfig.parse("chain2"), policy_version=0, num_drafts=decode,
+                      draft_k=2, drafted_per_pos=[decode, decode], accepted_per_pos=accepted)
+
+
+def test_stats_measured_from_steps_and_requests():
+    steps = [_step(1.0, decode=0, accepted=[], duration=0.9, prefill=40),  # prefill only: left out
+             _step(2.0, decode=2, accepted=[2, 1], duration=0.1),
+             _step(3.0, decode=4, accepted=[2, 0], duration=0.3)]
+    requests = [RequestRecord(arrival_time=0.0, finish_time=3.0, prompt_tokens=5, output_tokens=30,
+                              mean_batch=3.0, config=SpecConfig.parse("chain2"))]
+    s = RoutingStats.measure(steps, requests, running=4, waiting=1, max_batch_size=8, measured_at=3.5)
+    assert s.step_s == pytest.approx(0.2) and s.step_batch == pytest.approx(3.0)
+    assert s.tokens_per_step == pytest.approx((6 + 5) / 6)
+    assert s.mean_output_tokens == 30 and (s.running, s.waiting, s.max_batch_size) == (4, 1, 8)
+    # Only the most recent decode steps count.
+    assert RoutingStats.measure(steps, [], running=0, waiting=0, max_batch_size=8, measured_at=3.5,
+                                recent=1).step_s == pytest.approx(0.3)
+
+
+def test_stats_before_any_step_are_unmeasured():
+    s = RoutingStats.measure([], [], running=0, waiting=0, max_batch_size=8, measured_at=1.0)
+    assert s.step_s is None and s.step_batch is None and s.tokens_per_step == 1.0 and s.mean_output_tokens is None
+
+
+def test_stats_round_trip_through_serves_dict():
+    s = stats(running=2, waiting=1, mean_output=40)
+    wire = {"kv_events_endpoint": "tcp://x", **s.to_routing_stats()}
+    assert isinstance(wire[ROUTING_STATS_KEY], dict)
+    assert RoutingStats.from_routing_stats(wire) == s
+
+
+@pytest.mark.parametrize("wire", [None, {}, {"other": 1}, {ROUTING_STATS_KEY: None},
+                                  {ROUTING_STATS_KEY: {"running": -1}}, {ROUTING_STATS_KEY: "x"}, "x"])
+def test_missing_or_invalid_stats_parse_to_none(wire):
+    assert RoutingStats.from_routing_stats(wire) is None
