@@ -173,15 +173,16 @@ class SpecPolicy(BaseModel):
         return self
 
     @classmethod
-    def uniform(cls, config: SpecConfig, version: int = 0) -> SpecPolicy:
-        return cls(version=version, rules=(PolicyRule(batch_lo=1, batch_hi=OPEN_END, config=config),))
+    def uniform(cls, config: SpecConfig, version: int = 0, replica_id: str | None = None) -> SpecPolicy:
+        return cls(version=version, replica_id=replica_id,
+                   rules=(PolicyRule(batch_lo=1, batch_hi=OPEN_END, config=config),))
 
     @classmethod
     def parse(cls, table: str, version: int = 0, replica_id: str | None = None) -> SpecPolicy:
         """Parse `1-2:chain4,3-8:chain2,9+:off`; a bare config (`chain4`) covers all sizes."""
         table = table.strip()
         if ":" not in table:
-            return cls.uniform(SpecConfig.parse(table), version=version)
+            return cls.uniform(SpecConfig.parse(table), version=version, replica_id=replica_id)
         rules = []
         try:
             for part in table.split(","):
@@ -278,7 +279,7 @@ class PolicyAck(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     replica_id: str = ""
-    status: str  # applied | ignored_stale | rejected
+    status: str  # applied | ignored_stale | rejected | not_this_replica
     version_in_force: int
     policy_in_force: str
     message: str = ""

@@ -197,14 +197,15 @@ def _cmd_controller(args: argparse.Namespace) -> int:
 
 def _cmd_policy_set(args: argparse.Namespace) -> int:
     SpecPolicy.parse(args.table)  # fail here, naming the problem, before any request
-    acks = admin_client.set_policy(args.url, args.table, token=args.token, version=args.version)
+    acks = admin_client.set_policy(args.url, args.table, token=args.token, version=args.version,
+                                   replica_id=args.replica)
     if args.json:
         print(json.dumps([a.model_dump(mode="json") for a in acks], indent=2))
     else:
         for a in acks:
             extra = f" ({a.message})" if a.message else ""
             print(f"replica {a.replica_id}: {a.status}; in force v{a.version_in_force}: {a.policy_in_force}{extra}")
-    return 0 if all(a.status == "applied" for a in acks) else 1
+    return 0 if all(a.status in ("applied", "not_this_replica") for a in acks) else 1
 
 
 def _cmd_policy_show(args: argparse.Namespace) -> int:
@@ -448,6 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_url(p)
     p.add_argument("--table", required=True, help='e.g. "1-2:chain4,3-8:chain2,9+:off" or "off"')
     p.add_argument("--version", type=int, default=None, help="policy version (default: now in ms)")
+    p.add_argument("--replica", default=None, help="one replica only, by id (`adaspec status` lists them)")
     p.set_defaults(func=_cmd_policy_set)
     p = policy.add_parser("show", help="the policy in force on every replica")
     _add_url(p)

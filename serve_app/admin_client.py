@@ -32,8 +32,9 @@ def status(url: str, token: str | None = None) -> list[ReplicaTelemetry]:
     return [ReplicaTelemetry.model_validate(r) for r in _request("GET", url, "/admin/status", token)]
 
 
-def set_policy(url: str, table: str, token: str | None = None, version: int | None = None) -> list[PolicyAck]:
-    body = {"table": table, "version": version}
+def set_policy(url: str, table: str, token: str | None = None, version: int | None = None,
+               replica_id: str | None = None) -> list[PolicyAck]:
+    body = {"table": table, "version": version, "replica_id": replica_id}
     return [PolicyAck.model_validate(a) for a in _request("POST", url, "/admin/policy", token, json=body)]
 
 

@@ -6,7 +6,8 @@ POST /v1/completions, POST /v1/chat/completions (`stream: true` for server-sent 
 Admin routes (off unless `admin.enabled`; `Authorization: Bearer <token>` when a token is
 configured), used by `adaspec status` and `adaspec policy set`:
 - GET  /admin/status  -> [ReplicaTelemetry], one per replica
-- POST /admin/policy  {"table": "1-2:chain4,3+:off"} -> [PolicyAck], one per replica
+- POST /admin/policy  {"table": "1-2:chain4,3+:off", "replica_id": optional} -> [PolicyAck],
+  one per replica (a replica other than `replica_id` answers `not_this_replica`)
 - GET  /admin/controller -> ControllerView (404 when no controller runs)
 - POST /admin/controller {"action": "pause" | "resume"} -> ControllerView
 A call reaches every replica through Ray Serve LLM's `broadcast` (one actor call each).
@@ -40,6 +41,7 @@ class PolicyRequest(BaseModel):
 
     table: str = Field(description="policy table, e.g. `1-2:chain4,3-8:chain2,9+:off`")
     version: int | None = Field(default=None, ge=0, description="default: now, in milliseconds")
+    replica_id: str | None = Field(default=None, description="one replica only (default: every replica)")
 
 
 def _json_response(model: BaseModel) -> Response:
@@ -97,10 +99,13 @@ class AdaspecIngress(OpenAiIngress):
         self._check_admin(request)
         version = body.version if body.version is not None else new_policy_version()
         try:
-            policy = SpecPolicy.parse(body.table, version=version)
+            policy = SpecPolicy.parse(body.table, version=version, replica_id=body.replica_id)
         except (PolicyError, ValueError) as e:
             raise OpenAIHTTPException(status_code=400, type="BadRequestError", message=str(e))
         acks = await self._broadcast("apply_policy", policy)
+        if body.replica_id is not None and all(a.status == "not_this_replica" for a in acks):
+            raise OpenAIHTTPException(status_code=404, type="NotFoundError",
+                                      message=f"no replica {body.replica_id}; replicas: {sorted(a.replica_id for a in acks)}")
         return [a.model_dump(mode="json") for a in acks]
 
 

@@ -137,7 +137,12 @@ class SpecReplica(LLMServer):
 
     # ------------------------------------------------------------------ control plane
     async def apply_policy(self, policy: SpecPolicy) -> PolicyAck:
-        """Install `policy` in the engine; it governs every step after this returns."""
+        """Install `policy` in the engine; it governs every step after this returns. A policy
+        built for another replica (`policy.replica_id`) is not installed."""
+        if policy.replica_id is not None and policy.replica_id != self._replica_id:
+            assert self._report is not None
+            return PolicyAck(replica_id=self._replica_id, status="not_this_replica", message=policy.replica_id,
+                             version_in_force=self._report.policy.version, policy_in_force=str(self._report.policy))
         ack = await self.engine.apply_policy(policy)
         ack.replica_id = self._replica_id
         if ack.status == "applied":

@@ -16,6 +16,7 @@ import httpx
 import pytest
 import ray
 
+from adaspec.policy import SpecConfig
 from bench.loopback_cluster import LoopbackCluster, NodeSpec
 from serve_app import admin_client
 from tests.conftest import MODEL, _port_in_use, wait_until
@@ -202,3 +203,41 @@ def test_killed_replica_loses_no_waiting_request_and_its_replacement_starts_warm
     assert load.counts["refused"] + load.counts["error_event"] + load.counts["cut"] <= 4, load.counts
     assert new.started_warm and new.seconds_to_first_decision <= 2.0
     assert dropped_s <= 2 * 1.0 + 2.0  # two control periods, plus the upkeep's own tick
+
+
+REPETITIVE = "one two three four five six, one two three four five six, one two three four five six, one two"
+
+
+def test_router_sends_requests_to_the_replica_that_speculates_well(app):
+    """With the controller paused, one replica runs `off` and the other `chain4` on prompts
+    whose continuation prompt lookup predicts: the chain4 replica makes more tokens per step,
+    so the speculation-aware router predicts it finishes a lone request sooner and sends it
+    most of them (power-of-two would split them about evenly)."""
+    admin_client.controller_action(URL, "pause")
+    try:
+        slow, fast = sorted(r.replica_id for r in admin_client.status(URL))
+        for replica, table in ((slow, "off"), (fast, "chain4")):
+            acks = {a.replica_id: a.status for a in admin_client.set_policy(URL, table, replica_id=replica)}
+            assert acks[replica] == "applied", acks
+        # Both replicas measure their new policy: concurrent requests spread over both.
+        wanted = {slow: SpecConfig.off(), fast: SpecConfig.chain(4)}
+
+        def both_measured():
+            with concurrent.futures.ThreadPoolExecutor(6) as pool:
+                list(pool.map(lambda _: _complete(REPETITIVE, 48), range(12)))
+            last = {r.replica_id: [str(s.config) for s in r.steps[-16:] if s.num_decode_reqs]
+                    for r in admin_client.status(URL)}
+            done = all(last[rid].count(str(c)) >= 8 for rid, c in wanted.items())
+            return True if done else print(f"decode steps' configs, last 16: {last}")
+
+        wait_until(both_measured, "both replicas running their new policy", 120, interval_s=0)
+        since = time.time()
+        for _ in range(12):  # one at a time: no load, only speed decides
+            _complete(REPETITIVE, 48)
+        landed = {rid: sum(1 for q in r.requests if q.finish_time > since)
+                  for rid, r in ((r.replica_id, r) for r in admin_client.status(URL))}
+    finally:
+        admin_client.controller_action(URL, "resume")
+    print(f"\n[cluster] lone requests by replica: {landed} (off: {slow}, chain4: {fast})")
+    assert sum(landed.values()) == 12, landed
+    assert landed[fast] >= 9, landed

@@ -86,3 +86,10 @@ def test_acceptance_summary():
     assert acc.acceptance_rate == pytest.approx(6 / 12)
     assert acc.mean_accepted_length == pytest.approx(1 + 6 / 4)
     assert summarize_acceptance([]).mean_accepted_length == 1.0
+
+
+def test_parse_keeps_the_replica_a_policy_is_for():
+    """A policy for one replica (`adaspec policy set --replica`) stays so, bare config or table."""
+    for table in ("off", "1-2:chain4,3+:off"):
+        assert SpecPolicy.parse(table, version=3, replica_id="r1").replica_id == "r1"
+        assert SpecPolicy.parse(table).replica_id is None
