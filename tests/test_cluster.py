@@ -24,7 +24,7 @@ from tests.serve_process import REPO, ServeProcess
 
 pytestmark = pytest.mark.slow
 
-URL = "http://127.0.0.1:8002"  # configs/app-cluster.yaml's http_options
+URL = "http://127.0.0.1:8003"  # configs/app-cluster.yaml's http_options
 GCS_PORT = 6390
 
 
@@ -35,8 +35,8 @@ def cluster(tmp_path_factory) -> LoopbackCluster:
     nodes = [NodeSpec("head", num_cpus=1), NodeSpec("worker1", num_cpus=1)]
     cluster = LoopbackCluster(nodes, GCS_PORT, workdir / "logs",
                               env={"ADASPEC_CONTROLLER_DIR": str(workdir / "controller")})
-    if _port_in_use(GCS_PORT) or _port_in_use(8002):
-        pytest.fail(f"port {GCS_PORT} or 8002 is in use; stop the other cluster first")
+    if _port_in_use(GCS_PORT) or _port_in_use(8003):
+        pytest.fail(f"port {GCS_PORT} or 8003 is in use; stop the other cluster first")
     cluster.start()
     yield cluster
     left = cluster.stop()
