@@ -18,6 +18,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application
 
 from adaspec.models import resolve_model
+from controller.actor import HEAD_NODE_RESOURCE
 from serve_app.config import AppConfig
 from serve_app.ingress import ENDPOINTS, AdaspecIngress
 from serve_app.native_adapter import AdaspecNativeEngine, NativeSettings
@@ -178,7 +179,11 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         bind_kwargs["engine_cls"] = functools.partial(AdaspecNativeEngine, settings=native_settings(cfg))
     replicas = build_llm_deployment(config, bind_kwargs=bind_kwargs, deployment_cls=SpecReplica)
     ingress_cls = make_fastapi_ingress(AdaspecIngress, endpoint_map=ENDPOINTS)
-    ingress_options = {**AdaspecIngress.get_deployment_options([config]), "ray_actor_options": {"num_cpus": 0}}
+    # On the head, beside the HTTP proxy (proxy_location: HeadOnly): the ingress holds every
+    # open stream, so on a worker node a lost node would cut streams of every replica, not
+    # just those of the replicas it ran.
+    ingress_options = {**AdaspecIngress.get_deployment_options([config]),
+                       "ray_actor_options": {"num_cpus": 0, "resources": {HEAD_NODE_RESOURCE: 0.001}}}
     return serve.deployment(ingress_cls, **ingress_options).bind(
         llm_deployments={cfg.model_id: replicas},
         model_cards={cfg.model_id: to_model_metadata(cfg.model_id, config)},

@@ -16,11 +16,14 @@ A call reaches every replica through Ray Serve LLM's `broadcast` (one actor call
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import time
 from typing import Literal
 
 from fastapi import Request, Response, status
 from pydantic import BaseModel, ConfigDict, Field
+from ray.exceptions import ActorUnavailableError, RayActorError
 
 from adaspec.policy import PolicyError, SpecPolicy
 from controller.config import ControllerConfig
@@ -28,6 +31,19 @@ from serve_app.config import AdminConfig
 from serve_app.ray_llm import DEFAULT_ENDPOINTS, OpenAIHTTPException, OpenAiIngress, broadcast
 
 OPENAI_ROUTES = ("models", "model_data", "completions", "chat")
+
+
+logger = logging.getLogger("ray.serve")
+
+# A replica that died (its actor, or its node) or cannot be reached.
+REPLICA_LOST = (RayActorError, ActorUnavailableError)
+REPLICA_RETRIES = 2
+
+
+def _stream_error(message: str) -> str:
+    """A server-sent event in the shape of OpenAI's errors (the stream's last before [DONE])."""
+    error = {"error": {"message": message, "type": "ServiceUnavailableError", "code": 503}}
+    return f"data: {json.dumps(error)}\n\n"
 
 
 class ControllerRequest(BaseModel):
@@ -63,6 +79,28 @@ class AdaspecIngress(OpenAiIngress):
         super().__init__(llm_deployments, model_cards, **kwargs)
         self._admin = admin
         self._controller_config = controller
+
+    async def _get_response(self, **kwargs):
+        """Ray Serve LLM's call of a replica, made safe against a replica that dies:
+        - before its first chunk, the request is sent again (Serve's router picks a live
+          replica), up to REPLICA_RETRIES times: the client has received nothing yet;
+        - mid-stream, the stream ends with an OpenAI-style error event (then `[DONE]`),
+          instead of a connection cut with no word of why."""
+        for attempt in range(REPLICA_RETRIES + 1):
+            sent = False
+            try:
+                async for chunk in super()._get_response(**kwargs):
+                    sent = True
+                    yield chunk
+                return
+            except REPLICA_LOST as e:
+                if sent:
+                    logger.warning("adaspec: replica lost mid-stream: %r", e)
+                    yield _stream_error(f"the replica serving this request was lost mid-stream: {type(e).__name__}")
+                    return
+                if attempt == REPLICA_RETRIES:
+                    raise
+                logger.warning("adaspec: replica lost before the first token, retrying (%d): %r", attempt + 1, e)
 
     async def _get_model_id(self, model: str | None) -> str:
         # Ray's ingress answers an unknown model with FastAPI's {"detail": ...}; clients of

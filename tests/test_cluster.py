@@ -200,7 +200,8 @@ def test_killed_replica_loses_no_waiting_request_and_its_replacement_starts_warm
           f"report, warm: {new.started_warm}; {load.examples}")
     # Only requests running on the killed replica may fail, and they must end, not hang.
     assert load.counts["hang"] == 0, load.examples
-    assert load.counts["refused"] + load.counts["error_event"] + load.counts["cut"] <= 4, load.counts
+    assert load.counts["cut"] == 0, load.examples  # a stream cut mid-way ends with an error event
+    assert load.counts["refused"] + load.counts["error_event"] <= 4, load.counts
     assert new.started_warm and new.seconds_to_first_decision <= 2.0
     assert dropped_s <= 2 * 1.0 + 2.0  # two control periods, plus the upkeep's own tick
 
@@ -241,3 +242,46 @@ def test_router_sends_requests_to_the_replica_that_speculates_well(app):
     print(f"\n[cluster] lone requests by replica: {landed} (off: {slow}, chain4: {fast})")
     assert sum(landed.values()) == 12, landed
     assert landed[fast] >= 9, landed
+
+
+def _node_names() -> dict[str, str]:
+    """Ray node id -> the name bench.loopback_cluster gave it (its `node:<name>` resource)."""
+    names = {}
+    for node in ray.nodes():
+        for resource in node["Resources"]:
+            if resource.startswith("node:") and not resource.startswith("node:_") and not resource[5].isdigit():
+                names[node["NodeID"]] = resource[5:]
+    return names
+
+
+def test_lost_worker_node_loses_only_streams_on_it_and_the_controller_carries_on(cluster, app, ray_driver):
+    """Kill every process of the worker node (its raylet and the replica on it) under load;
+    a spare node joined beforehand takes the replacement replica."""
+    cluster.start_node(NodeSpec("worker2", num_cpus=1))
+    cluster.wait_for_nodes(3, 120)
+    names = _node_names()
+    before = {r.replica_id: names.get(r.info.node_id) for r in admin_client.status(URL)}
+    (victim,) = [rid for rid, node in before.items() if node == "worker1"]
+    decisions_before = admin_client.controller_view(URL).decisions
+    with StreamingLoad(concurrency=4) as load:
+        wait_until(lambda: load.counts["ok"] >= 4, "4 streamed completions before the node is lost", 180)
+        killed_at = time.time()
+        cluster.kill_node("worker1")
+
+        def replaced():
+            view = admin_client.controller_view(URL)
+            ids = {r.replica_id for r in view.replicas}
+            new = [r for r in view.replicas if r.replica_id not in before and r.chosen_policy is not None]
+            return (view, new[0]) if victim not in ids and new else None
+
+        view, new = wait_until(replaced, "the dead node's replica dropped and replaced by the controller", 300)
+        replaced_s = time.time() - killed_at
+        ok_then = load.counts["ok"]
+        wait_until(lambda: load.counts["ok"] >= ok_then + 4, "4 more completions after the replacement", 180)
+    new_node = _node_names().get(new.node_id)
+    print(f"\n[cluster] node loss: {load.counts}, replacement {new.replica_id} on {new_node} with a policy "
+          f"{replaced_s:.1f} s after the kill, warm: {new.started_warm}; {load.examples}")
+    assert load.counts["hang"] == 0 and load.counts["cut"] == 0, load.examples
+    assert load.counts["refused"] + load.counts["error_event"] <= 4, load.counts
+    assert new_node == "worker2" and new.started_warm
+    assert view.decisions > decisions_before  # the controller, on the head, kept deciding
