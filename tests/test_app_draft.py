@@ -47,9 +47,9 @@ def _counters(server: ServeProcess) -> tuple[float, float]:
 
 def test_replica_speculates_with_a_draft_model(client):
     (replica,) = replica_status(client)
-    assert replica["capabilities"]["engine"] == "vllm"
-    assert replica["capabilities"]["draft_method"] == "draft_model"
-    assert replica["capabilities"]["max_k"] == 4
+    assert replica["info"]["capabilities"]["engine"] == "vllm"
+    assert replica["info"]["capabilities"]["draft_method"] == "draft_model"
+    assert replica["info"]["capabilities"]["max_k"] == 4
 
 
 def test_draft_model_drafts_every_step_and_is_accepted(draft_server, client):
