@@ -8,6 +8,8 @@ says only `model: smollm2-135m-instruct` starts on a 2-core laptop.
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import yaml
@@ -72,6 +74,31 @@ class AdminConfig(_Strict):
 
     enabled: bool = Field(default=False, description="serve /admin routes; keep off on a public port")
     token: str | None = Field(default=None, description="bearer token required on /admin routes")
+    token_env: str | None = Field(
+        default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="name of an environment variable holding the bearer token, read by the ingress when it "
+        "starts (e.g. set from a Kubernetes Secret); instead of token, so the secret stays out of the config")
+
+    @model_validator(mode="after")
+    def _one_token(self) -> AdminConfig:
+        if self.token is not None and self.token_env is not None:
+            raise ValueError("token and token_env exclude each other: give the token, or the variable holding it")
+        return self
+
+    def resolve_token(self, environ: Mapping[str, str] = os.environ) -> str | None:
+        """The bearer token in force: `token`, or the value of the variable `token_env` names.
+
+        Read where the ingress runs, not where the config is checked: on a cluster the
+        variable is set in the pods, not on the machine that deploys. An unset or empty
+        variable is an error rather than "no token", which would open the routes."""
+        if self.token_env is None:
+            return self.token
+        value = environ.get(self.token_env)
+        if not value:
+            raise ValueError(f"admin.token_env: the environment variable {self.token_env} is unset or empty "
+                             f"where the ingress runs; set it to the admin bearer token (on Kubernetes, from "
+                             f"a Secret) or remove admin.token_env")
+        return value
 
 
 class AutoscalingSettings(_Strict):

@@ -4,7 +4,7 @@ OpenAI routes (from ray.serve.llm): GET /v1/models, GET /v1/models/{id},
 POST /v1/completions, POST /v1/chat/completions (`stream: true` for server-sent events).
 
 Admin routes (off unless `admin.enabled`; `Authorization: Bearer <token>` when a token is
-configured), used by `adaspec status` and `adaspec policy set`:
+configured, as `admin.token` or in the variable `admin.token_env` names), used by `adaspec status` and `adaspec policy set`:
 - GET  /admin/status  -> [ReplicaTelemetry], one per replica
 - POST /admin/policy  {"table": "1-2:chain4,3+:off", "replica_id": optional} -> [PolicyAck],
   one per replica (a replica other than `replica_id` answers `not_this_replica`)
@@ -78,6 +78,9 @@ class AdaspecIngress(OpenAiIngress):
                  controller: ControllerConfig | None = None, **kwargs):
         super().__init__(llm_deployments, model_cards, **kwargs)
         self._admin = admin
+        # Resolved once, at start: a missing token variable fails the deployment here with the
+        # field and variable named, instead of every admin call later.
+        self._admin_token = admin.resolve_token() if admin.enabled else None
         self._controller_config = controller
 
     async def _get_response(self, **kwargs):
@@ -116,7 +119,7 @@ class AdaspecIngress(OpenAiIngress):
             raise OpenAIHTTPException(
                 status_code=status.HTTP_404_NOT_FOUND, type="NotFound",
                 message="admin routes are disabled; set admin.enabled: true in the app config")
-        if self._admin.token and request.headers.get("authorization") != f"Bearer {self._admin.token}":
+        if self._admin_token and request.headers.get("authorization") != f"Bearer {self._admin_token}":
             raise OpenAIHTTPException(
                 status_code=status.HTTP_401_UNAUTHORIZED, type="Unauthorized",
                 message="admin routes need the header `Authorization: Bearer <admin token>`")

@@ -129,6 +129,39 @@ def test_admin_routes_are_guarded(admin, headers, status):
         assert err.value.status_code == status
 
 
+def test_admin_token_from_an_environment_variable(monkeypatch):
+    monkeypatch.setenv("ADASPEC_TEST_ADMIN_TOKEN", "from-env")
+    ingress = AdaspecIngress({}, {}, admin=AdminConfig(enabled=True, token_env="ADASPEC_TEST_ADMIN_TOKEN"))
+    ingress._check_admin(_request({"Authorization": "Bearer from-env"}))
+    with pytest.raises(OpenAIHTTPException) as err:
+        ingress._check_admin(_request({}))
+    assert err.value.status_code == 401
+
+
+@pytest.mark.parametrize("value", [None, ""])
+def test_admin_token_variable_unset_fails_at_start(monkeypatch, value):
+    # An unset or empty variable must not silently open the routes.
+    if value is None:
+        monkeypatch.delenv("ADASPEC_TEST_ADMIN_TOKEN", raising=False)
+    else:
+        monkeypatch.setenv("ADASPEC_TEST_ADMIN_TOKEN", value)
+    admin = AdminConfig(enabled=True, token_env="ADASPEC_TEST_ADMIN_TOKEN")
+    with pytest.raises(ValueError, match=r"admin\.token_env: .*ADASPEC_TEST_ADMIN_TOKEN"):
+        AdaspecIngress({}, {}, admin=admin)
+    # Admin routes off: the variable is never read.
+    AdaspecIngress({}, {}, admin=AdminConfig(enabled=False, token_env="ADASPEC_TEST_ADMIN_TOKEN"))
+
+
+@pytest.mark.parametrize("admin", [
+    {"token": "s3cret", "token_env": "ADASPEC_ADMIN_TOKEN"},
+    {"token_env": "not a name"},
+])
+def test_admin_token_fields_are_checked(admin):
+    with pytest.raises(ValidationError) as err:
+        AppConfig.model_validate({"admin": {"enabled": True, **admin}})
+    assert err.value.errors()[0]["loc"][0] == "admin"
+
+
 @pytest.mark.parametrize("args,field", [
     ({"routing": "round_robin"}, "routing"),
     ({"autoscaling": {"min_replicas": 3, "max_replicas": 2}}, "autoscaling"),
@@ -184,10 +217,11 @@ def test_autoscaling_is_passed_to_serve(engine):
     assert options["request_router_config"].request_router_class == "serve_app.router:SpecAwareRouter"
 
 
-def test_gpu_app_gets_the_router_too():
-    cfg = AppConfig.from_yaml(str(REPO / "configs" / "app-gpu-tp2.yaml")).model_copy(update={"num_replicas": 2})
+def test_gpu_app_autoscales_behind_the_router():
+    cfg = AppConfig.from_yaml(str(REPO / "configs" / "app-gpu-tp2.yaml"))
     options = llm_config(cfg).deployment_config
-    assert options["num_replicas"] == 2 and "request_router_config" in options
+    assert options["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 64}
+    assert "num_replicas" not in options and "request_router_config" in options
 
 
 def test_build_app_with_autoscaling_and_router():

@@ -13,6 +13,7 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from cli.serve_config import check_serve_config
+from serve_app.builder import _placement
 from serve_app.config import AppConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,9 +68,39 @@ def test_serve_config_is_valid(path):
     check_serve_config(path)
 
 
+def _documents(path: Path) -> list[dict]:
+    return list(yaml.safe_load_all(path.read_text()))
+
+
+def _rayservice(path: Path) -> dict:
+    (doc,) = [d for d in _documents(path) if d["kind"] == "RayService"]
+    return doc
+
+
+def _app_args(doc: dict) -> dict:
+    (app,) = yaml.safe_load(doc["spec"]["serveConfigV2"])["applications"]
+    return app["args"]
+
+
+def _groups(doc: dict) -> list[dict]:
+    cluster = doc["spec"]["rayClusterConfig"]
+    return [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+
+
+def _check_claim(doc: dict) -> None:
+    # No Kubernetes core schema offline: the fields the head's volume relies on.
+    assert doc["apiVersion"] == "v1", doc["apiVersion"]
+    assert DNS_1035.match(doc["metadata"]["name"])
+    assert set(doc["spec"]) == {"accessModes", "resources"}, doc["spec"]
+    assert doc["spec"]["resources"]["requests"]["storage"]
+
+
 @pytest.mark.parametrize("path", MANIFESTS, ids=[p.name for p in MANIFESTS])
 def test_kuberay_manifest_is_valid(path):
-    for doc in yaml.safe_load_all(path.read_text()):
+    for doc in _documents(path):
+        if doc["kind"] == "PersistentVolumeClaim":
+            _check_claim(doc)
+            continue
         errors = sorted(_crd_validator(doc["kind"]).iter_errors(doc), key=str)
         assert not errors, "\n".join(f"{list(e.path)}: {e.message}" for e in errors)
         _check_operator_rules(doc)
@@ -80,21 +111,93 @@ def test_kuberay_manifest_is_valid(path):
                 AppConfig.model_validate(app["args"])
 
 
+@pytest.mark.parametrize("path", MANIFESTS, ids=[p.name for p in MANIFESTS])
+def test_rayservice_runs_the_cluster_features(path):
+    """Controller on, Serve autoscaling behind the speculation-aware router, and admin routes
+    whose token every pod reads from a Secret (never a literal in the manifest)."""
+    doc = _rayservice(path)
+    cfg = AppConfig.model_validate(_app_args(doc))
+    assert cfg.controller.enabled
+    assert cfg.autoscaling is not None and cfg.router == "spec_aware"
+    workers = doc["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    assert cfg.autoscaling.max_replicas <= sum(g["maxReplicas"] for g in workers)
+    assert cfg.admin.enabled and cfg.admin.token is None and cfg.admin.token_env
+    for group in _groups(doc):
+        # The ingress may be placed in any pod, so every container carries the variable.
+        for container in group["template"]["spec"]["containers"]:
+            (var,) = [e for e in container.get("env", []) if e["name"] == cfg.admin.token_env]
+            assert "value" not in var, f"{container['name']}: the admin token is a literal"
+            assert {"name", "key"} <= set(var["valueFrom"]["secretKeyRef"]), container["name"]
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=[p.name for p in MANIFESTS])
+def test_controller_checkpoint_is_on_the_head_volume(path):
+    """ADASPEC_CONTROLLER_DIR on the head is a mounted claim, defined in the same file, so the
+    checkpoint outlives the head pod."""
+    docs = _documents(path)
+    head = _rayservice(path)["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+    (container,) = head["containers"]
+    (directory,) = [e["value"] for e in container["env"] if e["name"] == "ADASPEC_CONTROLLER_DIR"]
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == directory]
+    (volume,) = [v for v in head["volumes"] if v["name"] == mount["name"]]
+    claims = {d["metadata"]["name"] for d in docs if d["kind"] == "PersistentVolumeClaim"}
+    assert volume["persistentVolumeClaim"]["claimName"] in claims
+
+
+def _pod_ray_resources(group: dict) -> dict[str, float]:
+    """What Ray declares on one pod of a group: rayStartParams, else (as KubeRay does) the
+    container's limits."""
+    params = group["rayStartParams"]
+    limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+    return {"CPU": float(params.get("num-cpus", limits.get("cpu", 0))),
+            "GPU": float(params.get("num-gpus", limits.get("nvidia.com/gpu", 0)))}
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=[p.name for p in MANIFESTS])
+def test_one_replica_per_worker_pod(path):
+    """Each worker pod holds exactly one replica's placement group, so the worker group's
+    maxReplicas is the replica ceiling the autoscaler can reach; the head holds none."""
+    doc = _rayservice(path)
+    cfg = AppConfig.model_validate(_app_args(doc))
+    bundles = _placement(cfg)["placement_group_config"]["bundles"]
+    need = {k: sum(b.get(k, 0) for b in bundles) for k in ("CPU", "GPU")}
+    cluster = doc["spec"]["rayClusterConfig"]
+    head = _pod_ray_resources(cluster["headGroupSpec"])
+    assert head["CPU"] == 0 and head["GPU"] == 0
+    for group in cluster["workerGroupSpecs"]:
+        have = _pod_ray_resources(group)
+        fits = min(have[k] // need[k] for k in need if need[k] > 0)
+        assert fits == 1, (group["groupName"], have, need)
+
+
 def test_rayservice_runs_the_gpu_config():
-    doc = yaml.safe_load((REPO / "cluster" / "rayservice.yaml").read_text())
+    doc = _rayservice(REPO / "cluster" / "rayservice.yaml")
     serve_config = yaml.safe_load(doc["spec"]["serveConfigV2"])
     gpu = yaml.safe_load((REPO / "configs" / "app-gpu-tp2.yaml").read_text())
     assert serve_config["applications"] == gpu["applications"]
-    head = doc["spec"]["rayClusterConfig"]["headGroupSpec"]
-    assert head["rayStartParams"]["num-gpus"] == "0"
     (workers,) = doc["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     tp = gpu["applications"][0]["args"]["tensor_parallel_size"]
     limits = workers["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert limits["nvidia.com/gpu"] == tp  # one pod holds one replica's tensor-parallel group
 
 
+def test_cpu_rayservice_runs_the_cluster_config():
+    """The CPU manifest is configs/app-cluster.yaml's app, but for the replica count
+    (autoscaling) and the admin token (from a Secret rather than loopback-only routes)."""
+    doc = _rayservice(REPO / "cluster" / "rayservice-cpu.yaml")
+    args = _app_args(doc)
+    local = yaml.safe_load((REPO / "configs" / "app-cluster.yaml").read_text())["applications"][0]["args"]
+    differ = {"num_replicas", "autoscaling", "admin"}
+    assert {k: v for k, v in args.items() if k not in differ} == {k: v for k, v in local.items() if k not in differ}
+    assert args["autoscaling"]["min_replicas"] >= local["num_replicas"]
+    for group in _groups(doc):
+        for container in group["template"]["spec"]["containers"]:
+            assert container["image"].endswith("-cpu")
+            assert "nvidia.com/gpu" not in container["resources"]["limits"]
+
+
 def test_crd_validation_catches_typos_and_bad_types():
-    doc = yaml.safe_load((REPO / "cluster" / "rayservice.yaml").read_text())
+    doc = _rayservice(REPO / "cluster" / "rayservice.yaml")
     validator = _crd_validator("RayService")
     typo = copy.deepcopy(doc)
     typo["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["minReplica"] = 1
