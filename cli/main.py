@@ -471,7 +471,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=int, default=200, help="prompt tokens per request")
     p.add_argument("--period", type=float, default=1.0, help="control period (seconds)")
     p.add_argument("--warmup", type=float, default=0.0, help="ignore requests arriving before (seconds)")
-    p.add_argument("--seed", type=int, default=0, help="arrival times (the same for every router), routing and acceptance draws")
+    p.add_argument("--seed", type=int, default=0,
+                   help="arrival times (the same for every router), routing and acceptance draws")
     p.add_argument("--routing", choices=ROUTINGS, default="random",
                    help="how requests are split among replicas, at their arrival: random (uniformly), power_of_two "
                    "(Ray Serve's default: the one of two random replicas with fewer ongoing requests), spec_aware "
