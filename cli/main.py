@@ -10,8 +10,9 @@
                               time; and the controller's view (rate, chosen policy, predicted vs
                               measured step time)
   controller show|pause|resume --url URL   the adaptive controller
-  simulate --replicas N --duration S --rate R [--json]   discrete-event simulation of N
-                              replicas and the controller, from fitted models
+  simulate --replicas N --duration S --rate R [--routing R | --compare-routing] [--json]
+                              discrete-event simulation of N replicas, the controller and
+                              the request router, from fitted models
   profile --url URL --out DIR  step-time sweep (k x batch) against a live server; fits and
                               reports the step-time model's held-out error
   policy set --url URL --table "1-2:chain4,3-8:chain2,9+:off"   push a policy to every replica
@@ -42,6 +43,7 @@ from adaspec.models import BUNDLED_DRAFTS, EMBEDDED_MODELS, ModelError, prepare_
 from adaspec.policy import PolicyError, SpecPolicy
 from cli.serve_config import ConfigError
 from controller.checkpoint_file import CheckpointError
+from controller.simulate import ROUTINGS
 
 
 def _cmd_prepare_models(args: argparse.Namespace) -> int:
@@ -156,21 +158,51 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
                                                  args.max_batch, args.max_k)
             source = "prior roofline (no profile or checkpoint found)"
     controller = None if args.policy else ControllerConfig(enabled=True, period_s=args.period)
+    acceptance = _float_list(args.replica_acceptance, "--replica-acceptance") if args.replica_acceptance else None
+    routings = ROUTINGS if args.compare_routing else (args.routing,)
     if not args.json:
         print(f"simulating {args.replicas} replicas for {args.duration:.0f} s at {args.rate} req/s; "
-              f"models from {source}; {'policy ' + args.policy if args.policy else 'adaptive controller'}")
-    result = simulate(engine, args.replicas, args.duration, args.rate, controller=controller,
-                      policy=args.policy or "chain2", seed=args.seed, output_tokens=args.output_tokens,
-                      prompt_tokens=args.prompt_tokens, period_s=args.period, warmup_s=args.warmup)
+              f"models from {source}; {'policy ' + args.policy if args.policy else 'adaptive controller'}"
+              + (f"; drafter acceptance per replica {acceptance} (repeated)" if acceptance else ""))
+    results = {}
+    for routing in routings:
+        # One seed, so every router gets the same arrival times.
+        results[routing] = simulate(
+            engine, args.replicas, args.duration, args.rate, controller=controller, policy=args.policy or "chain2",
+            seed=args.seed, output_tokens=args.output_tokens, prompt_tokens=args.prompt_tokens,
+            period_s=args.period, warmup_s=args.warmup, routing=routing,
+            routing_stats_period_s=args.routing_stats_period, replica_acceptance=acceptance)
     if args.json:
-        print(result.model_dump_json(indent=2))
-    else:
-        print(f"simulated {result.simulated_s:.0f} s in {result.wall_s:.1f} s ({result.speed:.2f}x real time); "
-              f"{result.completed} requests; latency mean {result.mean_latency_s:.3f} s, "
-              f"p50 {result.p50_latency_s:.3f} s, p99 {result.p99_latency_s:.3f} s")
+        if args.compare_routing:
+            print(json.dumps({r: res.model_dump() for r, res in results.items()}, indent=2))
+        else:
+            print(results[args.routing].model_dump_json(indent=2))
+        return 0
+    for routing, result in results.items():
+        print(f"{routing}: simulated {result.simulated_s:.0f} s in {result.wall_s:.1f} s ({result.speed:.2f}x real "
+              f"time, {result.cpu_s:.1f} CPU s); {result.completed} requests; latency mean "
+              f"{result.mean_latency_s:.3f} s, p50 {result.p50_latency_s:.3f} s, p99 {result.p99_latency_s:.3f} s"
+              + (f"; {result.fallback_routes} routed by power of two (no stats yet)" if result.fallback_routes else ""))
         for policy, n in result.final_policies.items():
             print(f"  {n} replicas end on {policy}")
+    if args.compare_routing:
+        base = results["power_of_two"]
+        print("| router | mean latency (s) | p99 latency (s) | mean / power_of_two | p99 / power_of_two |")
+        print("|---|---|---|---|---|")
+        for routing, r in results.items():
+            print(f"| {routing} | {r.mean_latency_s:.3f} | {r.p99_latency_s:.3f} | "
+                  f"{r.mean_latency_s / base.mean_latency_s:.3f} | {r.p99_latency_s / base.p99_latency_s:.3f} |")
     return 0
+
+
+def _float_list(text: str, flag: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise admin_client.AdminError(f"{flag}: expected comma-separated numbers, got {text!r}") from None
+    if not values or not all(0.0 <= v <= 1.0 for v in values):
+        raise admin_client.AdminError(f"{flag}: expected rates between 0 and 1, got {text!r}")
+    return values
 
 
 def _int_list(text: str, flag: str) -> list[int]:
@@ -439,7 +471,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=int, default=200, help="prompt tokens per request")
     p.add_argument("--period", type=float, default=1.0, help="control period (seconds)")
     p.add_argument("--warmup", type=float, default=0.0, help="ignore requests arriving before (seconds)")
-    p.add_argument("--seed", type=int, default=0, help="arrival times and acceptance draws")
+    p.add_argument("--seed", type=int, default=0,
+                   help="arrival times (the same for every router), routing and acceptance draws")
+    p.add_argument("--routing", choices=ROUTINGS, default="random",
+                   help="how requests are split among replicas, at their arrival: random (uniformly), power_of_two "
+                   "(Ray Serve's default: the one of two random replicas with fewer ongoing requests), spec_aware "
+                   "(adaspec's router: least predicted completion time from the replicas' routing stats); "
+                   "default random")
+    p.add_argument("--routing-stats-period", type=float, default=0.5,
+                   help="seconds between the replicas' routing stats for spec_aware (the app's: 0.5)")
+    p.add_argument("--replica-acceptance", metavar="RATES",
+                   help="drafters that differ per replica: comma-separated acceptance rates per draft position, "
+                   "replica i gets the (i mod count)-th, e.g. 0.9,0.4,0.4 (one replica in three drafts well); "
+                   "default: every replica the models' (or --acceptance)")
+    p.add_argument("--compare-routing", action="store_true",
+                   help="run every router on the same arrivals (same --seed) and print mean and p99 latency "
+                   "with their ratios to power_of_two")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_simulate)
 
