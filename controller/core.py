@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from adaspec.policy import SpecConfig, SpecPolicy
+from adaspec.policy import SpecConfig
 from adaspec.telemetry import ControllerReply, EngineCapabilities, ReplicaTelemetry
 from controller.acceptance import expected_accepted_length
 from controller.checkpoint import ControllerCheckpoint

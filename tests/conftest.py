@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -121,6 +122,28 @@ def set_controller(client: httpx.Client, action: str) -> dict:
     resp = client.post("/admin/controller", json={"action": action})
     assert resp.status_code == 200, resp.text
     return resp.json()
+
+
+class ClosedLoopClients:
+    """`concurrency` threads, each running `self._run(i)` until `stop` is set: a load of
+    closed-loop clients for the duration of a `with` block."""
+
+    def __init__(self, concurrency: int):
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(concurrency)]
+
+    def _run(self, i: int) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join()
 
 
 def push_policy(client: httpx.Client, table: str, version: int | None = None) -> list[dict]:

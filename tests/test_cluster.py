@@ -9,7 +9,6 @@ about a minute and a half on 2 cores.
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 import time
 
 import httpx
@@ -19,7 +18,7 @@ import ray
 from adaspec.policy import SpecConfig
 from bench.loopback_cluster import LoopbackCluster, NodeSpec
 from serve_app import admin_client
-from tests.conftest import MODEL, _port_in_use, wait_until
+from tests.conftest import MODEL, ClosedLoopClients, _port_in_use, wait_until
 from tests.serve_process import REPO, ServeProcess
 
 pytestmark = pytest.mark.slow
@@ -98,7 +97,7 @@ def test_two_replicas_on_two_nodes_serve_and_get_policies(cluster: LoopbackClust
     print("\n" + admin_client.format_controller(view))
 
 
-class StreamingLoad:
+class StreamingLoad(ClosedLoopClients):
     """`concurrency` closed-loop clients streaming completions until stopped. Each request
     ends as one of: ok ([DONE] seen), refused (an HTTP error before any token: a request the
     server did not keep), error_event (a clean error event mid-stream), cut (the stream
@@ -107,11 +106,10 @@ class StreamingLoad:
     OUTCOMES = ("ok", "refused", "error_event", "cut", "hang")
 
     def __init__(self, concurrency: int, max_tokens: int = 48, hang_s: float = 120.0):
-        self.stop = threading.Event()
+        super().__init__(concurrency)
         self.counts = {o: 0 for o in self.OUTCOMES}
         self.examples: list[str] = []
         self.max_tokens, self.hang_s = max_tokens, hang_s
-        self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(concurrency)]
 
     def _one(self, client: httpx.Client, i: int) -> tuple[str, str]:
         body = {"model": MODEL, "prompt": f"List the numbers from {i} to {i + 40}:", "stream": True,
@@ -143,16 +141,6 @@ class StreamingLoad:
                 self.counts[outcome] += 1
                 if outcome != "ok" and len(self.examples) < 5:
                     self.examples.append(f"{outcome}: {detail}")
-
-    def __enter__(self) -> StreamingLoad:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join()
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ replicas."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -18,7 +17,7 @@ from adaspec.policy import SpecConfig
 from controller.actor import NAMESPACE, get_controller
 from controller.checkpoint_file import CHECKPOINT_FILE
 from controller.view import ControllerView
-from tests.conftest import MODEL, URL, push_policy, replica_status, set_controller, wait_until
+from tests.conftest import MODEL, URL, ClosedLoopClients, push_policy, replica_status, set_controller, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -27,20 +26,20 @@ pytestmark = pytest.mark.slow
 PROMPT = "Write a short story about a cat who learns to fly."
 
 
-class Load:
+class Load(ClosedLoopClients):
     """`concurrency` closed-loop clients sending PROMPT until stopped; counts failures."""
 
     def __init__(self, concurrency: int, max_tokens: int = 96):
-        self.stop = threading.Event()
+        super().__init__(concurrency)
         self.ok = 0
         self.failures: list[str] = []
-        self.threads = [threading.Thread(target=self._run, args=(max_tokens,)) for _ in range(concurrency)]
+        self.max_tokens = max_tokens
 
-    def _run(self, max_tokens: int) -> None:
+    def _run(self, i: int) -> None:
         with httpx.Client(base_url=URL, timeout=300) as c:
             while not self.stop.is_set():
                 try:
-                    r = c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens,
+                    r = c.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": self.max_tokens,
                                                         "temperature": 0, "ignore_eos": True})
                     if r.status_code == 200:
                         self.ok += 1
@@ -48,16 +47,6 @@ class Load:
                         self.failures.append(f"{r.status_code} {r.text[:200]}")
                 except httpx.HTTPError as e:
                     self.failures.append(repr(e))
-
-    def __enter__(self) -> Load:
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join()
 
 
 def _steps_at(client, since: float, batch_lo: int, batch_hi: int) -> list[dict]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import concurrent.futures
 
 import pytest
-import torch
 import yaml
 from pydantic import ValidationError
 
