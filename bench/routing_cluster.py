@@ -104,7 +104,7 @@ def write(out: Path, result: dict) -> None:
         pairs = ", ".join(f"{p:.2f}" for p in row["pair_ratios"])
         ratio = f"{row['ratio']:.2f}" if row["ratio"] else "-"
         lines.append(f"| {metric} | {row['spec_aware']:.3f} | {row['power_of_two']:.3f} | {ratio} | {pairs} |")
-    (out / "routing.md").write_text("\n".join(lines) + "\n")
+    (out / "table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     import matplotlib
 
@@ -125,7 +125,7 @@ def write(out: Path, result: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="folder for routing.json, routing.md, routing.png")
+    parser.add_argument("--out", type=Path, required=True, help="folder for routing.json, table.md (Markdown) and routing.png")
     parser.add_argument("--rounds", type=int, default=2, help="rounds per router (ABBA order)")
     parser.add_argument("--rate", type=float, default=0.6, help="short requests per second (Poisson)")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of short-request arrivals per round")
