@@ -15,10 +15,12 @@ import httpx
 import pytest
 
 from adaspec.policy import SpecPolicy
+from bench.loopback_cluster import LoopbackCluster, NodeSpec
 from tests.serve_process import REPO, ServeProcess, live_engine_processes, session_processes
 
 MODEL = "smollm2-135m-instruct"
 URL = "http://127.0.0.1:8000"  # configs/app.yaml's http_options
+CLUSTER_GCS_PORT = 6390  # the loopback cluster's head (and the next two ports)
 
 
 @pytest.fixture
@@ -30,6 +32,22 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> LoopbackCluster:
+    """A real two-node Ray cluster (`ray start` on loopback), one per test module that asks."""
+    workdir = tmp_path_factory.mktemp("cluster")
+    # One logical CPU per node, one replica bundle each: the two replicas must take two nodes.
+    nodes = [NodeSpec("head", num_cpus=1), NodeSpec("worker1", num_cpus=1)]
+    cluster = LoopbackCluster(nodes, CLUSTER_GCS_PORT, workdir / "logs",
+                              env={"ADASPEC_CONTROLLER_DIR": str(workdir / "controller")})
+    if _port_in_use(CLUSTER_GCS_PORT) or _port_in_use(8003):
+        pytest.fail(f"port {CLUSTER_GCS_PORT} or 8003 (configs/app-cluster.yaml) is in use; stop the other cluster first")
+    cluster.start()
+    yield cluster
+    left = cluster.stop()
+    assert not left, f"processes of the loopback cluster left behind: {left}"
 
 
 def _port_in_use(port: int) -> bool:
