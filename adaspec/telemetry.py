@@ -118,6 +118,7 @@ class ReplicaInfo(BaseModel):
     node_id: str = Field(description="the Ray node the replica runs on (hex id)")
     node_ip: str = Field(default="", description="that node's address")
     actor_id: str = Field(default="", description="the replica's Ray actor (hex id), to ask Ray whether it died")
+    started_at: float = Field(description="when the replica's engine was ready (unix seconds)")
 
 
 class ReplicaTelemetry(BaseModel):

@@ -150,7 +150,7 @@ class ReplicaState(BaseModel):
     node_id: str = ""  # Ray node (hex id); "" in checkpoints written before it was kept
     node_ip: str = ""
     actor_id: str = ""
-    joined_at: float = 0.0  # unix seconds of its first report
+    started_at: float = 0.0  # unix seconds its engine was ready
     first_decision_at: float | None = None
     started_warm: bool = False
     policy_in_force: SpecPolicy

@@ -77,7 +77,7 @@ class SimulatedEngine:
     def info(self) -> ReplicaInfo:
         caps = EngineCapabilities(engine="vllm", max_batch_size=self.max_batch, max_k=self.max_k,
                                   supports_trees=False, draft_method="simulated")
-        return ReplicaInfo(capabilities=caps, node_id="simulated")
+        return ReplicaInfo(capabilities=caps, node_id="simulated", started_at=0.0)  # simulated time
 
 
 @dataclass

@@ -57,7 +57,7 @@ class Replica:
     node_id: str = ""
     node_ip: str = ""
     actor_id: str = ""  # its Ray actor, hex ("" if not known)
-    joined_at: float = 0.0  # unix seconds of its first report to this controller
+    started_at: float = 0.0  # unix seconds its engine was ready (ReplicaInfo)
     first_decision_at: float | None = None  # unix seconds of the first policy decided for it
     started_warm: bool = False  # its acceptance started from counts its deployment had measured
     rate: float | None = None
@@ -75,7 +75,7 @@ class Replica:
                      acceptance: AcceptanceModel) -> Replica:
         """A replica not heard from before, starting from `acceptance` (its deployment's)."""
         return cls(tel.model_id, info.capabilities, acceptance, tel.policy, now,
-                   node_id=info.node_id, node_ip=info.node_ip, actor_id=info.actor_id, joined_at=now,
+                   node_id=info.node_id, node_ip=info.node_ip, actor_id=info.actor_id, started_at=info.started_at,
                    started_warm=acceptance.observed_drafts() > 0)
 
     @property
@@ -114,7 +114,7 @@ class Replica:
     def checkpoint(self) -> ReplicaState:
         return ReplicaState(
             model_id=self.model_id, capabilities=self.capabilities, node_id=self.node_id, node_ip=self.node_ip,
-            actor_id=self.actor_id, joined_at=self.joined_at, first_decision_at=self.first_decision_at,
+            actor_id=self.actor_id, started_at=self.started_at, first_decision_at=self.first_decision_at,
             started_warm=self.started_warm,
             policy_in_force=self.policy_in_force,
             last_seen=self.last_seen, acceptance=AcceptanceState.of(self.acceptance), rate=self.rate,
@@ -126,7 +126,7 @@ class Replica:
         """`half_life_s`: the acceptance model's, from the controller's config."""
         return cls(
             model_id=state.model_id, capabilities=state.capabilities, node_id=state.node_id, node_ip=state.node_ip,
-            actor_id=state.actor_id, joined_at=state.joined_at, first_decision_at=state.first_decision_at,
+            actor_id=state.actor_id, started_at=state.started_at, first_decision_at=state.first_decision_at,
             started_warm=state.started_warm,
             acceptance=state.acceptance.model(half_life_s), policy_in_force=state.policy_in_force,
             last_seen=state.last_seen, rate=state.rate, batch=state.batch, generated=state.generated,

@@ -45,7 +45,7 @@ class ReplicaView(BaseModel):
     node_id: str  # the Ray node it runs on ("" if not known)
     node_ip: str
     seconds_since_report: float
-    seconds_to_first_decision: float | None  # from its first report to this controller
+    seconds_to_first_decision: float | None  # from its engine being ready to its first policy decided
     started_warm: bool  # its acceptance model started from its deployment's, which had seen drafts
     arrival_rate: float  # requests/s
     mean_batch: float  # requests per step
@@ -128,7 +128,7 @@ def replica_view(replica_id: str, rep: Replica, dep: Deployment, fits: dict[Spec
     return ReplicaView(
         replica_id=replica_id, model_id=rep.model_id, node_id=rep.node_id, node_ip=rep.node_ip,
         seconds_since_report=now - rep.last_seen,
-        seconds_to_first_decision=None if rep.first_decision_at is None else rep.first_decision_at - rep.joined_at,
+        seconds_to_first_decision=None if rep.first_decision_at is None else rep.first_decision_at - rep.started_at,
         started_warm=rep.started_warm,
         arrival_rate=rep.rate or 0.0, mean_batch=rep.batch or 0.0,
         output_tokens=rep.output_tokens or 0.0,

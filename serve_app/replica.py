@@ -25,9 +25,9 @@ from typing import Any, AsyncGenerator, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
+import ray
 from adaspec.engine_contract import EngineReport
 from adaspec.policy import PolicyAck, SpecPolicy
-import ray
 from adaspec.telemetry import (
     ROUTING_RECENT_STEPS, ControllerReply, EngineCapabilities, ReplicaInfo, ReplicaTelemetry, RequestRecord,
     RoutingStats, StepRecord, summarize_acceptance,
@@ -112,7 +112,8 @@ class SpecReplica(LLMServer):
         self._metrics = _ReplicaMetrics(self._replica_id, llm_config.model_id)
         context = ray.get_runtime_context()
         self._info = ReplicaInfo(capabilities=await self.engine.capabilities(), node_id=context.get_node_id(),
-                                 node_ip=ray.util.get_node_ip_address(), actor_id=context.get_actor_id() or "")
+                                 node_ip=ray.util.get_node_ip_address(), actor_id=context.get_actor_id() or "",
+                                 started_at=time.time())
         await self._poll_engine()
         loop = asyncio.get_running_loop()
         self._poller = loop.create_task(self._poll_forever())
@@ -232,8 +233,7 @@ class SpecReplica(LLMServer):
         request_routing_stats_period_s: LLMServer's own stats (the engine's KV-event
         endpoints) plus this replica's RoutingStats under its key (serve_app/router.py)."""
         stats = dict(await super().record_routing_stats() or {})
-        await self._poll_engine()  # the load now, not at the last poll
-        assert self._report is not None
+        assert self._report is not None  # the poller's last drain: at most poll_interval_s old
         measured_at = time.time()
         # Newest records only (the window holds minutes of them); a few times the steps a
         # measure uses, as prefill-only steps do not count.

@@ -177,8 +177,8 @@ def test_killed_replica_loses_no_waiting_request_and_its_replacement_starts_warm
         ok_then = load.counts["ok"]
         wait_until(lambda: load.counts["ok"] >= ok_then + 4, "4 more completions after the replacement", 180)
     print(f"\n[cluster] replica kill: {load.counts}, dropped by the controller after {dropped_s:.1f} s, "
-          f"replacement {new.replica_id} decided for {new.seconds_to_first_decision:.1f} s after its first "
-          f"report, warm: {new.started_warm}; {load.examples}")
+          f"replacement {new.replica_id} decided for {new.seconds_to_first_decision:.1f} s after its engine was "
+          f"ready, warm: {new.started_warm}; {load.examples}")
     # Only requests running on the killed replica may fail, and they must end, not hang.
     assert load.counts["hang"] == 0, load.examples
     assert load.counts["cut"] == 0, load.examples  # a stream cut mid-way ends with an error event

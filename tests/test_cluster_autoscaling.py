@@ -66,5 +66,5 @@ def test_serve_scales_up_under_load_and_the_new_replica_starts_warm(autoscaling_
         decided = wait_until(decided_for_both, "the controller deciding a policy for the new replica", 60)
     (new,) = [r for rid, r in decided.items() if rid not in first]
     print(f"\n[autoscaling] second replica {new.replica_id} {scaled_s:.0f} s after the load began; "
-          f"decided at {new.seconds_to_first_decision:.1f} s after its first report, warm: {new.started_warm}")
+          f"decided {new.seconds_to_first_decision:.1f} s after its engine was ready, warm: {new.started_warm}")
     assert new.started_warm and new.seconds_to_first_decision <= 2.0

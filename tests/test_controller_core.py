@@ -18,7 +18,7 @@ from controller.core import ControllerCore
 from tests.test_controller_math import synthetic_step_time
 
 CAPS = EngineCapabilities(engine="vllm", max_batch_size=64, max_k=4, supports_trees=False, draft_method="ngram")
-INFO = ReplicaInfo(capabilities=CAPS, node_id="node-a", node_ip="127.0.0.1")
+INFO = ReplicaInfo(capabilities=CAPS, node_id="node-a", node_ip="127.0.0.1", started_at=0.0)
 
 
 class SimulatedReplica:

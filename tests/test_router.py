@@ -169,8 +169,13 @@ def test_replica_reports_its_routing_stats_beside_ray_llms():
     replica._report = None
     replica._metrics = SimpleNamespace(observe=lambda report, batch: None)
     caps = EngineCapabilities(engine="vllm", max_batch_size=16, max_k=4, supports_trees=False, draft_method="ngram")
-    replica._info = ReplicaInfo(capabilities=caps, node_id="node-a")
-    wire = asyncio.run(replica.record_routing_stats())
+    replica._info = ReplicaInfo(capabilities=caps, node_id="node-a", started_at=0.0)
+
+    async def polled_then_recorded():
+        await replica._poll_engine()  # what the replica's poller does every poll_interval_s
+        return await replica.record_routing_stats()
+
+    wire = asyncio.run(polled_then_recorded())
     assert wire["kv_events_endpoint"] == "tcp://127.0.0.1:1"  # Ray Serve LLM's own stats stay
     stats = RoutingStats.from_routing_stats(wire)
     assert stats is not None and (stats.running, stats.waiting, stats.max_batch_size) == (2, 3, 16)
