@@ -146,6 +146,36 @@ class ReplicaTelemetry(BaseModel):
         return self.arrivals / span
 
 
+class SpeedBucket(BaseModel):
+    """Predicted decode speed of one sequence at batch sizes batch_lo..batch_hi."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    batch_lo: int = Field(ge=1)
+    batch_hi: int = Field(ge=1)
+    tpot_s: float = Field(gt=0, description="seconds per output token of one sequence in such a batch")
+
+
+class PolicySpeed(BaseModel):
+    """The controller's prediction of how fast a replica decodes under one policy, per batch
+    bucket: its deployment's step-time model and the replica's own acceptance model, with the
+    config the policy runs at each batch size. The request router reads it (RoutingStats.speed)
+    to predict how soon a request would finish at a batch the replica is not running now."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy_version: int = Field(description="the policy these predictions are for")
+    buckets: list[SpeedBucket] = Field(min_length=1, description="ascending, covering 1..max batch")
+
+    def tpot_s(self, batch: float) -> float:
+        """Predicted seconds per output token at `batch` requests (the last bucket beyond it)."""
+        b = max(batch, 1.0)
+        for bucket in self.buckets:
+            if b <= bucket.batch_hi + 0.5:
+                return bucket.tpot_s
+        return self.buckets[-1].tpot_s
+
+
 class ControllerReply(BaseModel):
     """The controller's answer to a report."""
 
@@ -154,6 +184,8 @@ class ControllerReply(BaseModel):
     policy: SpecPolicy | None = Field(default=None, description="apply this now; None: keep the one in force")
     send_info: bool = Field(default=False, description="the controller does not know this replica: "
                             "report again with `info`")
+    speed: PolicySpeed | None = Field(
+        default=None, description="predicted speed under `policy`, or under the policy in force when `policy` is None")
 
 
 class AcceptanceSummary(BaseModel):
@@ -272,10 +304,14 @@ class RoutingStats(BaseModel):
     mean_output_tokens: float | None = Field(
         default=None, gt=0, description="mean output tokens of recently finished requests; None before any")
     measured_at: float = Field(description="unix seconds of the engine load above")
+    speed: PolicySpeed | None = Field(
+        default=None, description="the controller's predicted speed under the policy in force; None without a "
+        "controller, or before it has answered for this policy")
 
     @classmethod
     def measure(cls, steps: list[StepRecord], requests: list[RequestRecord], *, running: int, waiting: int,
-                max_batch_size: int, measured_at: float, recent: int = ROUTING_RECENT_STEPS) -> RoutingStats:
+                max_batch_size: int, measured_at: float, speed: PolicySpeed | None = None,
+                recent: int = ROUTING_RECENT_STEPS) -> RoutingStats:
         """The stats of a replica from its step and finished-request records (oldest first),
         over the last `recent` decode steps and requests. Prefill-only steps are left out:
         they say nothing about how fast a sequence decodes."""
@@ -283,7 +319,7 @@ class RoutingStats(BaseModel):
         done = requests[-recent:]
         seqs = sum(s.num_decode_reqs for s in decode)
         return cls(
-            running=running, waiting=waiting, max_batch_size=max_batch_size, measured_at=measured_at,
+            running=running, waiting=waiting, max_batch_size=max_batch_size, measured_at=measured_at, speed=speed,
             step_s=sum(s.duration_s for s in decode) / len(decode) if decode else None,
             step_batch=sum(s.batch_size for s in decode) / len(decode) if decode else None,
             tokens_per_step=(seqs + sum(sum(s.accepted_per_pos) for s in decode)) / seqs if seqs else 1.0,

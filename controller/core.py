@@ -15,12 +15,14 @@ import time
 
 import numpy as np
 
-from adaspec.policy import SpecConfig
-from adaspec.telemetry import ControllerReply, EngineCapabilities, ReplicaTelemetry
+from adaspec.policy import SpecConfig, SpecPolicy
+from adaspec.telemetry import ControllerReply, EngineCapabilities, PolicySpeed, ReplicaTelemetry
 from controller.acceptance import expected_accepted_length
 from controller.checkpoint import ControllerCheckpoint
 from controller.config import ControllerConfig
-from controller.policy_search import CostTable, Decision, Objective, bucket_of, candidate_configs, search_policy
+from controller.policy_search import (
+    CostTable, Decision, Objective, bucket_of, candidate_configs, policy_speed, search_policy,
+)
 from controller.state import Deployment, Replica
 from controller.step_time import FitReport, StepTimeModel
 from controller.view import ControllerView, deployment_view, replica_view
@@ -48,13 +50,14 @@ class ControllerCore:
         if tel.replica_id not in self.replicas and tel.info is None:
             return ControllerReply(send_info=True)
         self.observe(tel, now)
-        if self.paused:
-            return ControllerReply()
-        decision = self.decide(tel.replica_id, now)
-        if decision is None or not decision.changed:
-            return ControllerReply()
-        self.pushed += 1
-        return ControllerReply(policy=decision.policy)
+        policy = None
+        if not self.paused:
+            decision = self.decide(tel.replica_id, now)
+            if decision is not None and decision.changed:
+                self.pushed += 1
+                policy = decision.policy
+        rep = self.replicas[tel.replica_id]
+        return ControllerReply(policy=policy, speed=self.speed(tel.replica_id, policy or rep.policy_in_force, now))
 
     def observe(self, tel: ReplicaTelemetry, now: float) -> None:
         """Update the replica's state and its deployment's from a report, deciding nothing.
@@ -84,12 +87,24 @@ class ControllerCore:
             dep.costs_built_at, dep.costs_version = now, dep.model_version
         return dep.costs
 
+    @staticmethod
+    def _expected(rep: Replica, costs: CostTable) -> np.ndarray:
+        """E(c) per cost-table config: tokens a sequence gains per step on this replica."""
+        marginal = rep.acceptance.marginal_rates()
+        return np.array([expected_accepted_length(c, marginal) for c in costs.configs])
+
+    def speed(self, replica_id: str, policy: SpecPolicy, now: float) -> PolicySpeed | None:
+        """Predicted seconds per output token per batch bucket of a known replica under
+        `policy` (the request router's view of it; controller.policy_search.policy_speed)."""
+        rep = self.replicas[replica_id]
+        costs = self._costs(self.deployments[rep.model_id], rep.capabilities, now)
+        return policy_speed(costs, self._expected(rep, costs), policy)
+
     def decide(self, replica_id: str, now: float) -> Decision | None:
         rep = self.replicas[replica_id]
         dep = self.deployments[rep.model_id]
         costs = self._costs(dep, rep.capabilities, now)
-        marginal = rep.acceptance.marginal_rates()
-        expected = np.array([expected_accepted_length(c, marginal) for c in costs.configs])
+        expected = self._expected(rep, costs)
         decision = search_policy(
             costs, expected, rate=rep.rate or 0.0, output_tokens=rep.output_tokens or 128.0,
             objective=self.objective, current=rep.policy_in_force, hysteresis=self.config.hysteresis,

@@ -23,6 +23,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from adaspec.policy import SpecConfig, SpecPolicy
+from adaspec.telemetry import PolicySpeed, SpeedBucket
 from controller.latency import OperatingPoint, operating_point, request_latency
 from controller.step_time import StepTimeModel, decode_features, monotone_table
 
@@ -181,3 +182,18 @@ def search_policy(costs: CostTable, expected: np.ndarray, rate: float, output_to
     return Decision(policy=policy, changed=changed, buckets=out_buckets,
                     operating_batch=point.batch, predicted_latency_s=point.latency_s,
                     elapsed_s=time.perf_counter() - start)
+
+
+def policy_speed(costs: CostTable, expected: np.ndarray, policy: SpecPolicy) -> PolicySpeed | None:
+    """Predicted seconds per output token of one sequence, per batch bucket, under `policy`:
+    step time t(b, c) / E(c) with c the config the policy runs at batch b (the request
+    router's input). None when the policy runs a config the cost table does not hold."""
+    columns = [costs.index.get(c) for c in policy.compile(costs.max_batch)[1:]]
+    if any(c is None for c in columns):
+        return None
+    batch = np.arange(1, costs.max_batch + 1)
+    cols = np.array(columns)
+    tpot = (costs.step_s[batch, cols] / expected[cols])[:, None]
+    means = _bucket_means(tpot, costs.buckets)[:, 0]
+    return PolicySpeed(policy_version=policy.version, buckets=[
+        SpeedBucket(batch_lo=lo, batch_hi=hi, tpot_s=max(float(m), 1e-9)) for (lo, hi), m in zip(costs.buckets, means)])

@@ -32,13 +32,14 @@ from pydantic import BaseModel
 
 from adaspec.policy import SpecConfig, SpecPolicy
 from adaspec.telemetry import (
-    ROUTING_RECENT_STEPS, EngineCapabilities, ReplicaInfo, ReplicaTelemetry, RequestRecord, RoutingStats, StepRecord,
+    ROUTING_RECENT_STEPS, EngineCapabilities, PolicySpeed, ReplicaInfo, ReplicaTelemetry, RequestRecord, RoutingStats,
+    StepRecord,
 )
 from controller.acceptance import measured_acceptance, measured_proposal_rate
 from controller.config import ControllerConfig
 from controller.core import ControllerCore
 from controller.policy_search import CostTable, candidate_configs
-from controller.routing import choose_replica
+from controller.routing import MAX_CANDIDATES, choose_replica, sample_candidates
 from controller.step_time import StepTimeModel, measured_context_per_seq
 
 
@@ -109,6 +110,7 @@ class SimReplica:
         self.running: list[list[float]] = []  # [remaining tokens, arrival time, new (1/0)]
         self.latencies: list[float] = []
         self.set_policy(policy)
+        self.speed: PolicySpeed | None = None  # the controller's last ControllerReply.speed
         self.t = 0.0
         # The step that started at `t` and ends after the time last advanced to: (config
         # index, seconds, requests admitted by it). Its batch and config are fixed when it
@@ -220,9 +222,10 @@ class SimReplica:
         first): serve_app/replica.py's record_routing_stats, the same RoutingStats.measure.
         Needs keep_recent."""
         assert self.recent_steps is not None and self.recent_requests is not None, "made without keep_recent"
+        speed = self.speed if self.speed is not None and self.speed.policy_version == self.policy.version else None
         return RoutingStats.measure(list(self.recent_steps), list(self.recent_requests), running=len(self.running),
                                     waiting=len(self.waiting), max_batch_size=self.engine.max_batch,
-                                    measured_at=now)
+                                    measured_at=now, speed=speed)
 
     def report(self, t_end: float) -> ReplicaTelemetry:
         """The telemetry of the steps run since the last report, as a replica sends it at
@@ -299,7 +302,8 @@ class _Router:
         self.routing, self.sims, self.rng, self.trace = routing, sims, rng, trace
         self.stats_period_s, self.output_tokens = stats_period_s, output_tokens
         self.next_stats = 0.0  # the first stats are taken at 0 s (no step measured yet: fallback)
-        self.candidates: list[tuple[int, RoutingStats | None]] = []
+        self.tick = 0.0  # when the stats in force were taken (seconds)
+        self.stats: dict[int, RoutingStats] = {}  # replica -> its stats at `tick`, measured when first read
         self.sent: dict[int, int] = {}  # requests routed to each replica since its stats were taken
         self.fallbacks = 0
 
@@ -312,7 +316,9 @@ class _Router:
         if self.routing == "spec_aware":
             if t >= self.next_stats:
                 self._refresh(t)
-            chosen = choose_replica(self.candidates, t, STATS_AGE_PERIODS * self.stats_period_s,
+            picked = sample_candidates(range(len(self.sims)), MAX_CANDIDATES, self.rng)
+            candidates = [(i, self._stats_of(i)) for i in picked]
+            chosen = choose_replica(candidates, t, STATS_AGE_PERIODS * self.stats_period_s,
                                     output_tokens=self.output_tokens, sent=self.sent, rng=self.rng)
             if chosen is not None:
                 self.sent[chosen] = self.sent.get(chosen, 0) + 1
@@ -326,11 +332,18 @@ class _Router:
         # Only the latest tick at or before t matters: stats taken at earlier ticks would be
         # replaced before any request read them.
         tick = self.next_stats + math.floor((t - self.next_stats) / self.stats_period_s) * self.stats_period_s
-        for sim in self.sims:
-            sim.advance(tick)
-        self.candidates = [(i, sim.routing_stats(tick)) for i, sim in enumerate(self.sims)]
-        self.sent = {}
+        self.tick, self.stats, self.sent = tick, {}, {}
         self.next_stats = tick + self.stats_period_s
+
+    def _stats_of(self, i: int) -> RoutingStats:
+        """Replica i's stats as Serve would have taken them at the tick. Measured only when a
+        request first samples the replica: no replica moves past the tick before then (the
+        control period ends after the tick's arrivals; power of two reads its two first)."""
+        stats = self.stats.get(i)
+        if stats is None:
+            self.sims[i].advance(self.tick)
+            stats = self.stats[i] = self.sims[i].routing_stats(self.tick)
+        return stats
 
     def _power_of_two(self, t: float) -> int:
         """Ray Serve's PowerOfTwoChoicesRequestRouter: two distinct replicas at random, the
@@ -342,6 +355,9 @@ class _Router:
         j = self.rng.randrange(n - 1)
         j += j >= i
         a, b = self.sims[i], self.sims[j]
+        if self.routing == "spec_aware" and self.next_stats > 0:
+            for k in (i, j):  # their stats at the tick, measured before they move on
+                self._stats_of(k)
         a.advance(t)
         b.advance(t)
         chosen = i if a.ongoing <= b.ongoing else j
@@ -413,6 +429,7 @@ def simulate(engine: SimulatedEngine, replicas: int, duration_s: float, rate: fl
                     reply = core.report(tel.model_copy(update={"info": eng_info}), now=t_end)
                 if reply.policy is not None:
                     sim.set_policy(reply.policy)
+                sim.speed = reply.speed
         if core is not None:
             core.drop_stale(t_end)
             if t_end - last_refit >= controller.refit_every_s:

@@ -29,7 +29,7 @@ import ray
 from adaspec.engine_contract import EngineReport
 from adaspec.policy import PolicyAck, SpecPolicy
 from adaspec.telemetry import (
-    ROUTING_RECENT_STEPS, ControllerReply, EngineCapabilities, ReplicaInfo, ReplicaTelemetry, RequestRecord,
+    ROUTING_RECENT_STEPS, ControllerReply, EngineCapabilities, PolicySpeed, ReplicaInfo, ReplicaTelemetry, RequestRecord,
     RoutingStats, StepRecord, summarize_acceptance,
 )
 from controller.config import ControllerConfig
@@ -118,6 +118,7 @@ class SpecReplica(LLMServer):
         loop = asyncio.get_running_loop()
         self._poller = loop.create_task(self._poll_forever())
         self._controller = None
+        self._speed: PolicySpeed | None = None  # the controller's last prediction (ControllerReply.speed)
         if settings.controller.enabled:
             self._reporter = loop.create_task(self._report_forever())
 
@@ -212,6 +213,7 @@ class SpecReplica(LLMServer):
                 known, failures = True, 0
                 if reply.policy is not None:
                     await self.apply_policy(reply.policy)
+                self._speed = reply.speed
             except Exception as e:
                 self._controller, known = None, False
                 failures += 1
@@ -239,6 +241,10 @@ class SpecReplica(LLMServer):
         # measure uses, as prefill-only steps do not count.
         steps = list(itertools.islice(reversed(self._steps), 4 * ROUTING_RECENT_STEPS))[::-1]
         requests = list(itertools.islice(reversed(self._requests), ROUTING_RECENT_STEPS))[::-1]
+        # The controller's prediction only for the policy it was made for: after a manual
+        # policy change the router goes by measurements until the controller's next answer.
+        speed = self._speed if self._speed and self._speed.policy_version == self._report.policy.version else None
         ours = RoutingStats.measure(steps, requests, running=self._report.running, waiting=self._report.waiting,
-                                    max_batch_size=self._info.capabilities.max_batch_size, measured_at=measured_at)
+                                    max_batch_size=self._info.capabilities.max_batch_size, measured_at=measured_at,
+                                    speed=speed)
         return {**stats, **ours.to_routing_stats()}

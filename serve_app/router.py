@@ -6,11 +6,13 @@ ingress replica(s), whose OpenAI routes call the replicas through a handle. Ever
 `record_routing_stats` (serve_app/replica.py: a `RoutingStats` under its key) and broadcasts
 the dicts to every handle, where they appear as `RunningReplica.routing_stats`.
 
-For each request `choose_replicas` ranks the candidates Serve gives it (live replicas only)
-by predicted completion time (controller/routing.py), best first, one replica per rank: Serve
-sends the request to the first that accepts it (below its max_ongoing_requests). When any
-candidate's stats are missing or stale, or none has measured a step yet, it falls back to
-Serve's own power-of-two choices for that request (the base class).
+For each request `choose_replicas` ranks the candidates Serve gives it (live replicas only;
+a random `max_candidates` of them in a larger fleet) by predicted completion time
+(controller/routing.py: the replica's load, its measurements and the controller's
+predicted speed under its policy), best first, one replica per rank: Serve sends the request
+to the first that accepts it (below its max_ongoing_requests). When any ranked candidate's
+stats are missing or stale, or none can predict yet, it falls back to Serve's own
+power-of-two choices for that request (the base class).
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from collections import deque
 from typing import Any
 
 from adaspec.telemetry import RoutingStats
-from controller.routing import DEFAULT_OUTPUT_TOKENS, FIXED_STEP_SHARE, TIE_TOLERANCE, rank_replicas
+from controller.routing import (
+    DEFAULT_OUTPUT_TOKENS, FIXED_STEP_SHARE, MAX_CANDIDATES, TIE_TOLERANCE, rank_replicas, sample_candidates,
+)
 from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
 from serve_app.ray_llm import PowerOfTwoChoicesRequestRouter
 
@@ -52,10 +56,12 @@ class SpecAwareRouter(PowerOfTwoChoicesRequestRouter):
 
     def initialize_state(self, max_stats_age_s: float = DEFAULT_MAX_STATS_AGE_S,
                          fixed_step_share: float = FIXED_STEP_SHARE, tie_tolerance: float = TIE_TOLERANCE,
-                         **kwargs: Any) -> None:
-        """Serve calls this with RequestRouterConfig.request_router_kwargs (seconds; shares)."""
+                         max_candidates: int = MAX_CANDIDATES, **kwargs: Any) -> None:
+        """Serve calls this with RequestRouterConfig.request_router_kwargs (seconds; shares;
+        replicas scored per request)."""
         super().initialize_state(**kwargs)
         self._max_stats_age_s = max_stats_age_s
+        self._max_candidates = max_candidates
         self._fixed_step_share = fixed_step_share
         self._tie_tolerance = tie_tolerance
         self._rng = random.Random()
@@ -67,8 +73,10 @@ class SpecAwareRouter(PowerOfTwoChoicesRequestRouter):
     # ------------------------------------------------------------------ routing
     def rank(self, candidate_replicas: list[RunningReplica],
              pending_request: PendingRequest | None = None) -> list[RunningReplica] | None:
-        """The candidates best first, or None when their stats cannot tell."""
+        """The candidates (a random `max_candidates` of them) best first, or None when their
+        stats cannot tell."""
         now = self._get_curr_time_s()
+        candidate_replicas = sample_candidates(candidate_replicas, self._max_candidates, self._rng)
         candidates = [(r.replica_id, RoutingStats.from_routing_stats(r.routing_stats)) for r in candidate_replicas]
         sent = {rid: sum(1 for t in self._sent.get(rid, ()) if t > s.measured_at)
                 for rid, s in candidates if s is not None}

@@ -248,3 +248,35 @@ def test_view_with_unbounded_values_survives_json():
     back = ConfigLatency.model_validate_json(row.model_dump_json())
     assert back.saturation_rate == math.inf and back.latency_at_rate_s == math.inf
     assert back.fit.config == SpecConfig.chain(4)
+
+
+def test_every_answer_carries_the_predicted_speed_of_the_policy_in_force():
+    """The router's input: per batch bucket, seconds per output token under the policy the
+    replica runs after this answer; paused, under the policy it keeps."""
+    core = ControllerCore(ControllerConfig(enabled=True, half_life_s=5.0))
+    good, poor = SimulatedReplica("good", alpha=0.9), SimulatedReplica("poor", alpha=0.1, seed=1)
+    t = 0.0
+    for _ in range(12):
+        for rep in (good, poor):
+            reply = core.report(rep.telemetry(t, 1.0, 1, 1), now=t + 1.0)
+            if reply.policy is not None:
+                rep.policy = reply.policy
+            assert reply.speed is not None and reply.speed.policy_version == rep.policy.version
+            assert [(b.batch_lo, b.batch_hi) for b in reply.speed.buckets][:4] == [(1, 1), (2, 2), (3, 4), (5, 8)]
+            assert reply.speed.buckets[-1].batch_hi == CAPS.max_batch_size
+        core.refit()
+        t += 1.0
+    speeds = {rep.replica_id: core.speed(rep.replica_id, rep.policy, t) for rep in (good, poor)}
+    # A replica whose drafts are accepted makes tokens faster at batch 1, and per-token time
+    # grows with the batch.
+    assert speeds["good"].tpot_s(1) < speeds["poor"].tpot_s(1)
+    assert all(s.tpot_s(64) > s.tpot_s(1) for s in speeds.values())
+    # The same table on both: only the acceptance differs, and with it the speed.
+    same = SpecPolicy.parse("chain4", version=5)
+    assert core.speed("good", same, t).tpot_s(1) < core.speed("poor", same, t).tpot_s(1)
+
+    core.paused = True
+    manual = SpecPolicy.parse("off", version=good.policy.version + 1)
+    good.policy = manual
+    reply = core.report(good.telemetry(t, 1.0, 1, 1), now=t + 1.0)
+    assert reply.policy is None and reply.speed.policy_version == manual.version

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from adaspec.telemetry import ReplicaInfo, RoutingStats
+from adaspec.telemetry import PolicySpeed, ReplicaInfo, RoutingStats, SpeedBucket
 from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 from ray.serve.request_router import PendingRequest, ReplicaID
 from serve_app.router import SpecAwareRouter, request_output_tokens
@@ -114,6 +114,28 @@ def test_requests_sent_since_the_stats_steer_the_next_ones():
     assert firsts[0] == "a" and "b" in firsts  # a takes the first, then the load evens out
 
 
+def test_a_large_fleet_is_sampled_down_to_max_candidates():
+    """At 1,000 replicas the router scores a random 16 per request, not all of them (the cost
+    per request stays a few microseconds a replica scored, whatever the fleet's size)."""
+    replicas = [FakeReplica(f"r{i}", wire(running=i % 5)) for i in range(1000)]
+    _, ranks = route(replicas, 32)
+    chosen = [r.replica_id.unique_id for rank in ranks for r in rank]
+    assert len(chosen) == 16 == len(set(chosen)) and set(chosen) <= {f"r{i}" for i in range(1000)}
+    _, ranks = route(replicas, 32, max_candidates=4)  # request_router_kwargs
+    assert len(ranks) == 4
+
+
+def test_the_controllers_speed_steers_a_request_off_a_replica_that_slows_at_a_larger_batch():
+    def with_speed(tpot_at_3: float) -> dict:
+        stats = RoutingStats.from_routing_stats(wire(running=2, tokens_per_step=3.0))
+        speed = PolicySpeed(policy_version=1, buckets=[SpeedBucket(batch_lo=1, batch_hi=2, tpot_s=0.03),
+                                                       SpeedBucket(batch_lo=3, batch_hi=8, tpot_s=tpot_at_3)])
+        return {"kv_events": None, **stats.model_copy(update={"speed": speed}).to_routing_stats()}
+    for _ in range(5):
+        _, ranks = route([FakeReplica("slows", with_speed(0.1)), FakeReplica("keeps", with_speed(0.04))], 32)
+        assert ranks[0][0].replica_id.unique_id == "keeps"
+
+
 def test_output_tokens_come_from_the_request():
     async def go():
         assert request_output_tokens(pending(17)) == 17
@@ -170,6 +192,8 @@ def test_replica_reports_its_routing_stats_beside_ray_llms():
     replica._metrics = SimpleNamespace(observe=lambda report, batch: None)
     caps = EngineCapabilities(engine="vllm", max_batch_size=16, max_k=4, supports_trees=False, draft_method="ngram")
     replica._info = ReplicaInfo(capabilities=caps, node_id="node-a", started_at=0.0)
+    # The controller's last answer, for the policy in force (version 0).
+    replica._speed = PolicySpeed(policy_version=0, buckets=[SpeedBucket(batch_lo=1, batch_hi=16, tpot_s=0.05)])
 
     async def polled_then_recorded():
         await replica._poll_engine()  # what the replica's poller does every poll_interval_s
@@ -181,3 +205,7 @@ def test_replica_reports_its_routing_stats_beside_ray_llms():
     assert stats is not None and (stats.running, stats.waiting, stats.max_batch_size) == (2, 3, 16)
     assert stats.step_s == pytest.approx(0.2) and stats.tokens_per_step == pytest.approx(2.5)
     assert abs(stats.measured_at - time.time()) < 5
+    assert stats.speed == replica._speed
+    # A prediction for another policy than the one in force (a manual change since) is not passed on.
+    replica._speed = replica._speed.model_copy(update={"policy_version": 3})
+    assert RoutingStats.from_routing_stats(asyncio.run(polled_then_recorded())).speed is None

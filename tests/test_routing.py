@@ -9,8 +9,11 @@ import random
 import pytest
 
 from adaspec.policy import SpecConfig
-from adaspec.telemetry import ROUTING_STATS_KEY, RequestRecord, RoutingStats, StepRecord
-from controller.routing import choose_replica, predicted_completion_s, rank_replicas, step_time_s
+from adaspec.telemetry import ROUTING_STATS_KEY, PolicySpeed, RequestRecord, RoutingStats, SpeedBucket, StepRecord
+from controller.routing import (
+    CALIBRATION_LIMIT, added_delay_s, choose_replica, predicted_completion_s, rank_replicas, routing_cost_s,
+    sample_candidates, step_time_s, tpot_s,
+)
 
 NOW = 1_000.0
 
@@ -83,9 +86,13 @@ def test_full_batch_waits_for_a_slot():
     assert predicted_completion_s(full, 50, NOW) == pytest.approx(5 * 1.0 + decode)
     # Half a second later the queue has drained by half a second.
     assert predicted_completion_s(full, 50, NOW + 0.5) == pytest.approx(4.5 + decode)
-    # A replica with free slots and a slower step still wins against the queue.
-    cands = [("full", full), ("slow-free", stats(running=7, step_s=0.15, step_batch=8.0, age_s=0.0))]
-    assert choose_replica(cands, NOW, 2.0, output_tokens=50) == "slow-free"
+    # Queued, it slows no one running there.
+    assert added_delay_s(full, NOW) == 0.0
+    # A replica with free slots and a slower step still wins against the queue: 50 x 0.15 s
+    # for the request, 7 x 20 x 0.0094 s more for the 7 others (40 tokens each, half done).
+    slow_free = stats(running=7, step_s=0.15, step_batch=8.0, mean_output=40, age_s=0.0)
+    assert routing_cost_s(slow_free, 50, NOW) == pytest.approx(7.5 + 7 * 20 * 0.15 * 0.5 / 8)
+    assert choose_replica([("full", full), ("slow-free", slow_free)], NOW, 2.0, output_tokens=50) == "slow-free"
 
 
 def test_queue_without_finished_requests_uses_the_request_length():
@@ -145,3 +152,74 @@ def test_stats_round_trip_through_serves_dict():
                                   {ROUTING_STATS_KEY: {"running": -1}}, {ROUTING_STATS_KEY: "x"}, "x"])
 def test_missing_or_invalid_stats_parse_to_none(wire):
     assert RoutingStats.from_routing_stats(wire) is None
+
+
+# ---------------------------------------------------------------- the controller's speed
+def speed(*buckets: tuple[int, int, float], version: int = 7) -> PolicySpeed:
+    return PolicySpeed(policy_version=version, buckets=[SpeedBucket(batch_lo=lo, batch_hi=hi, tpot_s=t)
+                                                        for lo, hi, t in buckets])
+
+
+def test_speed_curve_lookup_per_bucket():
+    curve = speed((1, 1, 0.05), (2, 2, 0.06), (3, 4, 0.1), (5, 8, 0.2))
+    assert [curve.tpot_s(b) for b in (0, 1, 2, 3, 4, 5, 8, 30)] == [0.05, 0.05, 0.06, 0.1, 0.1, 0.2, 0.2, 0.2]
+
+
+def test_speed_alone_predicts_for_a_replica_that_has_not_decoded():
+    s = stats(step_s=None, step_batch=None).model_copy(update={"speed": speed((1, 1, 0.05), (2, 8, 0.1))})
+    assert tpot_s(s, 1) == pytest.approx(0.05)
+    assert predicted_completion_s(s, 100, NOW) == pytest.approx(5.0)
+    # It can be ranked without a fallback (a replica that just joined, warm-started).
+    assert rank_replicas([("new", s), ("old", stats())], NOW, 2.0) is not None
+
+
+def test_speed_curve_is_scaled_to_the_measurement():
+    # Measured 0.1 s a step at batch 1 and 2 tokens a step: 0.05 s/token, where the models
+    # said 0.025: the machine is twice as slow as predicted, at every batch.
+    s = stats(step_s=0.1, step_batch=1.0, tokens_per_step=2.0).model_copy(
+        update={"speed": speed((1, 1, 0.025), (2, 8, 0.1))})
+    assert tpot_s(s, 1) == pytest.approx(0.05)
+    assert tpot_s(s, 6) == pytest.approx(0.2)
+    # A measurement far off the models moves them by at most CALIBRATION_LIMIT.
+    wild = s.model_copy(update={"step_s": 100.0})
+    assert tpot_s(wild, 6) == pytest.approx(0.1 * CALIBRATION_LIMIT)
+
+
+def test_the_policy_in_force_at_the_new_batch_decides():
+    # Both replicas measure the same at batch 1 (chain4 accepting well), but one's policy turns
+    # speculation off from batch 3, where the models predict it 3x slower per token: with 2
+    # running, the request makes it 3, and the other replica is the better place for it.
+    measured = dict(step_s=0.1, step_batch=1.0, tokens_per_step=3.0)
+    keeps = stats(running=2, **measured).model_copy(update={"speed": speed((1, 2, 0.04), (3, 8, 0.05))})
+    turns_off = stats(running=2, **measured).model_copy(update={"speed": speed((1, 2, 0.04), (3, 8, 0.12))})
+    for seed in range(5):
+        assert choose_replica([("off at 3", turns_off), ("keeps", keeps)], NOW, 2.0,
+                              rng=random.Random(seed)) == "keeps"
+    # Without the controller's curves the two look the same: a coin toss.
+    plain = {choose_replica([("a", stats(running=2, **measured)), ("b", stats(running=2, **measured))], NOW, 2.0,
+                            rng=random.Random(seed)) for seed in range(20)}
+    assert plain == {"a", "b"}
+
+
+def test_sample_candidates():
+    rng = random.Random(0)
+    assert sample_candidates([1, 2, 3], 16, rng) == [1, 2, 3]
+    assert sample_candidates([1, 2, 3], None, rng) == [1, 2, 3]
+    picked = sample_candidates(list(range(1000)), 16, rng)
+    assert len(picked) == 16 == len(set(picked)) and all(0 <= p < 1000 for p in picked)
+    assert len({tuple(sample_candidates(list(range(1000)), 16, rng)) for _ in range(5)}) == 5
+
+
+def test_the_delay_a_request_adds_to_the_others_counts():
+    # A speculates well but already runs 2; B is idle and plain. Alone, the request would
+    # finish sooner on A (64 x 0.08 = 5.12 s against 6.4 s), but there it slows A's two
+    # requests (64 tokens to go each) by 0.02 s a token: 2.56 s in all. B costs less.
+    a, b = stats(running=2, tokens_per_step=2.5), stats()
+    assert predicted_completion_s(a, 64, NOW) == pytest.approx(5.12)
+    assert predicted_completion_s(b, 64, NOW) == pytest.approx(6.4)
+    assert added_delay_s(b, NOW) == 0.0
+    assert added_delay_s(a, NOW) == pytest.approx(2.56)
+    assert routing_cost_s(a, 64, NOW) == pytest.approx(7.68)
+    assert choose_replica([("a", a), ("b", b)], NOW, 2.0, output_tokens=64) == "b"
+    # Requests sent since the stats count among the others too.
+    assert added_delay_s(b, NOW, sent=1) > 0.0

@@ -1,0 +1,73 @@
+"""Comparing two variants measured in rounds: a ratio with a bootstrap confidence interval,
+and a verdict that can say "inconclusive" (pure: numpy only).
+
+Rounds of one variant are not interchangeable with requests: the machine drifts between
+rounds (cells of one benchmark move 10-15% between runs here), so the interval comes from a
+two-stage (hierarchical) bootstrap: draw the rounds with replacement, then the requests of
+each drawn round with replacement, and recompute the statistic of each variant on the
+pooled draw. The percentile interval of the ratio then carries both the spread between
+rounds and the spread between requests (Davison & Hinkley, Bootstrap Methods, 1997, 3.8).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+Statistic = Callable[[np.ndarray], float]
+Verdict = Literal["better", "worse", "inconclusive"]
+
+
+def mean(values: np.ndarray) -> float:
+    return float(np.mean(values))
+
+
+def p99(values: np.ndarray) -> float:
+    return float(np.percentile(values, 99))
+
+
+@dataclass(frozen=True)
+class RatioInterval:
+    """statistic(a) / statistic(b) on all the data, and its bootstrap interval."""
+
+    ratio: float
+    low: float
+    high: float
+    level: float  # e.g. 0.95
+
+    def verdict(self, lower_is_better: bool = True) -> Verdict:
+        """`better` when the whole interval lies on a's good side of 1, `worse` on the other
+        side, `inconclusive` when it holds 1."""
+        if self.high < 1.0:
+            return "better" if lower_is_better else "worse"
+        if self.low > 1.0:
+            return "worse" if lower_is_better else "better"
+        return "inconclusive"
+
+    def __str__(self) -> str:
+        return f"{self.ratio:.3f} [{self.low:.3f}, {self.high:.3f}]"
+
+
+def _pooled_draw(rounds: list[np.ndarray], rng: np.random.Generator) -> np.ndarray:
+    picked = rng.integers(len(rounds), size=len(rounds))
+    return np.concatenate([rounds[i][rng.integers(len(rounds[i]), size=len(rounds[i]))] for i in picked])
+
+
+def bootstrap_ratio(a_rounds: Sequence[Sequence[float]], b_rounds: Sequence[Sequence[float]], statistic: Statistic,
+                    resamples: int = 2000, level: float = 0.95, seed: int = 0) -> RatioInterval:
+    """statistic(a) / statistic(b) over the pooled values of every round of each variant, with
+    a `level` percentile interval from `resamples` two-stage bootstrap draws (module
+    docstring). Rounds without values are left out; ValueError if a variant has none."""
+    a = [np.asarray(r, dtype=float) for r in a_rounds if len(r)]
+    b = [np.asarray(r, dtype=float) for r in b_rounds if len(r)]
+    if not a or not b:
+        raise ValueError("each variant needs at least one round with values")
+    ratio = statistic(np.concatenate(a)) / statistic(np.concatenate(b))
+    rng = np.random.default_rng(seed)
+    draws = np.array([statistic(_pooled_draw(a, rng)) / statistic(_pooled_draw(b, rng)) for _ in range(resamples)])
+    tail = (1.0 - level) / 2 * 100
+    low, high = np.percentile(draws, [tail, 100 - tail])
+    return RatioInterval(ratio=float(ratio), low=float(low), high=float(high), level=level)
