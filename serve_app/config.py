@@ -159,7 +159,9 @@ class AppConfig(_Strict):
         "bfloat16 (native)",
     )
     cpu_threads: int | None = Field(
-        default=None, ge=1, description="torch threads of a CPU engine; default all cores"
+        default=None, ge=1,
+        description="torch threads of a CPU engine; default all cores (vllm: vLLM's own binding, all cores but "
+        "one); given, a vllm engine runs that many threads unbound, so several engines can share a machine",
     )
     tree_budget: int | None = Field(
         default=None, ge=1,

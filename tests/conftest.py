@@ -3,6 +3,7 @@ SmolLM2-135M) starts once per test session and is shared by every slow test modu
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import socket
 import threading
@@ -16,6 +17,8 @@ import pytest
 
 from adaspec.policy import SpecPolicy
 from bench.loopback_cluster import LoopbackCluster, NodeSpec
+from controller.view import ControllerView
+from serve_app import admin_client
 from tests.serve_process import REPO, ServeProcess, live_engine_processes, session_processes
 
 MODEL = "smollm2-135m-instruct"
@@ -35,19 +38,98 @@ def one_torch_thread():
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory) -> LoopbackCluster:
-    """A real two-node Ray cluster (`ray start` on loopback), one per test module that asks."""
+def cluster(request, tmp_path_factory) -> LoopbackCluster:
+    """A real two-node Ray cluster (`ray start` on loopback), one per test module that asks.
+    The module's `URL` names the port of the app it serves on the cluster."""
     workdir = tmp_path_factory.mktemp("cluster")
     # One logical CPU per node, one replica bundle each: the two replicas must take two nodes.
     nodes = [NodeSpec("head", num_cpus=1), NodeSpec("worker1", num_cpus=1)]
     cluster = LoopbackCluster(nodes, CLUSTER_GCS_PORT, workdir / "logs",
                               env={"ADASPEC_CONTROLLER_DIR": str(workdir / "controller")})
-    if _port_in_use(CLUSTER_GCS_PORT) or _port_in_use(8003):
-        pytest.fail(f"port {CLUSTER_GCS_PORT} or 8003 (configs/app-cluster.yaml) is in use; stop the other cluster first")
+    app_port = int(request.module.URL.rsplit(":", 1)[1])
+    if _port_in_use(CLUSTER_GCS_PORT) or _port_in_use(app_port):
+        pytest.fail(f"port {CLUSTER_GCS_PORT} (the loopback cluster) or {app_port} ({request.module.__name__}'s "
+                    f"app) is in use; stop the other cluster first")
     cluster.start()
     yield cluster
     left = cluster.stop()
     assert not left, f"processes of the loopback cluster left behind: {left}"
+
+
+@contextlib.contextmanager
+def app_on_cluster(cluster: LoopbackCluster, config: Path, url: str, workdir: Path, label: str,
+                   replicas: int | None = None, timeout_s: float = 600) -> Iterator[ServeProcess]:
+    """`serve run <config>` joined to the loopback `cluster`: ready when a completion succeeds
+    (`proc.ready_s`) and, given `replicas`, when that many replicas answer /admin/status
+    (`proc.all_ready_s`); stopped afterwards, and every vLLM engine process the app started on
+    the cluster's nodes must end with it."""
+    log = workdir / "serve.log"
+    proc = ServeProcess(config, url, log, env=cluster.join_env())
+    start = time.monotonic()
+    proc.start()
+    try:
+        proc.ready_s = proc.wait_ready(MODEL, timeout_s=timeout_s)
+        if replicas is not None:
+            # The first completion proves one replica; wait for every one before any test.
+            wait_until(lambda: len(admin_client.status(url)) == replicas, f"{replicas} replicas answering "
+                       f"/admin/status", 300)
+        proc.all_ready_s = time.monotonic() - start
+    except BaseException:
+        proc.stop()
+        raise
+    print(f"\n[{label}] app ready {proc.ready_s:.0f} s after `serve run`"
+          + (f", {replicas} replicas {proc.all_ready_s:.0f} s" if replicas is not None else "") + f" (log: {log})")
+    yield proc
+    proc.stop()
+
+    def engines() -> list[str]:
+        return [f"{p.pid} {p.name()}" for node in list(cluster.sessions) for p in cluster.processes(node)
+                if "VLLM" in p.name()]
+
+    # Serve's shutdown ends each replica, and the replica its engine; the cluster kills the rest.
+    wait_until(lambda: not engines(), "the app's vLLM engine processes ending with the app", 60, interval_s=1)
+
+
+def complete_text(url: str, prompt: str, max_tokens: int = 24) -> str:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    resp = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+    resp.raise_for_status()
+    return resp.json()["choices"][0]["text"]
+
+
+def check_replicas_on_own_nodes_serve_and_get_policies(url: str, replicas: int = 2) -> ControllerView:
+    """The app at `url` runs `replicas` replicas, each on a Ray node of its own; all serve real
+    completions (each ran engine steps), all report to the one controller, which knows each
+    replica's node and has decided a policy for each, and whose deployment view counts them
+    on as many nodes. Returns the controller's view."""
+    reports = admin_client.status(url)
+    nodes = {r.replica_id: r.info.node_id for r in reports}
+    assert len(nodes) == replicas and len(set(nodes.values())) == replicas, nodes
+
+    prompts = [f"Count from {i} to {i + 20}: {i}, {i + 1}, {i + 2}," for i in range(12)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        texts = list(pool.map(lambda p: complete_text(url, p), prompts))
+    assert all(texts)
+
+    # Every replica ran engine steps for these requests (the router spread them), ...
+    steps = {r.replica_id: len(r.steps) for r in admin_client.status(url)}
+    assert steps.keys() == nodes.keys() and all(n > 0 for n in steps.values()), steps
+
+    # ... every one reports to the one controller, which knows where each runs ...
+    def all_reported():
+        view = admin_client.controller_view(url)
+        fresh = {r.replica_id: r for r in view.replicas if r.seconds_since_report < 5}
+        return view if fresh.keys() == nodes.keys() else None
+
+    view = wait_until(all_reported, f"the controller hearing from all {replicas} replicas", 60)
+    assert {r.replica_id: r.node_id for r in view.replicas} == nodes
+    deployment = view.deployment(MODEL)
+    assert deployment.replicas == replicas and deployment.nodes == replicas
+
+    # ... and has decided a policy for each (the controller explores k under load, so it
+    # pushes one to each replica that runs steps).
+    assert all(r.chosen_policy is not None for r in view.replicas), [r.chosen_policy for r in view.replicas]
+    return view
 
 
 def _port_in_use(port: int) -> bool:

@@ -19,7 +19,10 @@ import yaml
 from adaspec.policy import SpecConfig
 from bench.loopback_cluster import LoopbackCluster, NodeSpec
 from serve_app import admin_client
-from tests.conftest import MODEL, ClosedLoopClients, wait_until
+from tests.conftest import (
+    MODEL, ClosedLoopClients, app_on_cluster, check_replicas_on_own_nodes_serve_and_get_policies, complete_text,
+    wait_until,
+)
 from tests.serve_process import REPO, ServeProcess
 
 pytestmark = pytest.mark.slow
@@ -31,62 +34,22 @@ SILENCE_TIMEOUT_S = 60.0
 @pytest.fixture(scope="module")
 def app(cluster: LoopbackCluster, tmp_path_factory) -> ServeProcess:
     workdir = tmp_path_factory.mktemp("cluster-app")
-    log = workdir / "serve.log"
     # configs/app-cluster.yaml with one change: a 60 s silence timeout, so that a replica
     # dropped within seconds can only have been dropped because Ray reported its actor dead.
     doc = yaml.safe_load((REPO / "configs" / "app-cluster.yaml").read_text())
     doc["applications"][0]["args"]["controller"]["replica_timeout_s"] = SILENCE_TIMEOUT_S
     config = workdir / "app-cluster.yaml"
     config.write_text(yaml.safe_dump(doc))
-    proc = ServeProcess(config, URL, log, env=cluster.join_env())
-    proc.start()
-    try:
-        ready_s = proc.wait_ready(MODEL, timeout_s=600)
-        # The first completion proves one replica; wait for both before any test.
-        wait_until(lambda: len(admin_client.status(URL)) == 2, "two replicas answering /admin/status", 300)
-    except BaseException:
-        proc.stop()
-        raise
-    print(f"\n[cluster] app ready {ready_s:.0f} s after `serve run` (log: {log})")
-    yield proc
-    proc.stop()
+    with app_on_cluster(cluster, config, URL, workdir, "cluster", replicas=2) as proc:
+        yield proc
 
 
 def _complete(prompt: str, max_tokens: int = 24) -> str:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
-    resp = httpx.post(f"{URL}/v1/completions", json=body, timeout=300)
-    resp.raise_for_status()
-    return resp.json()["choices"][0]["text"]
+    return complete_text(URL, prompt, max_tokens)
 
 
 def test_two_replicas_on_two_nodes_serve_and_get_policies(cluster: LoopbackCluster, app: ServeProcess):
-    reports = admin_client.status(URL)
-    nodes = {r.replica_id: r.info.node_id for r in reports}
-    assert len(nodes) == 2 and len(set(nodes.values())) == 2, nodes
-
-    prompts = [f"Count from {i} to {i + 20}: {i}, {i + 1}, {i + 2}," for i in range(12)]
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        texts = list(pool.map(_complete, prompts))
-    assert all(texts)
-
-    # Both replicas ran engine steps for these requests (the router spread them), ...
-    steps = {r.replica_id: len(r.steps) for r in admin_client.status(URL)}
-    assert all(n > 0 for n in steps.values()), steps
-
-    # ... both report to the one controller, which knows where each runs ...
-    def both_reported():
-        view = admin_client.controller_view(URL)
-        fresh = {r.replica_id: r for r in view.replicas if r.seconds_since_report < 5}
-        return view if fresh.keys() == nodes.keys() else None
-
-    view = wait_until(both_reported, "the controller hearing from both replicas", 60)
-    assert {r.replica_id: r.node_id for r in view.replicas} == nodes
-    deployment = view.deployment(MODEL)
-    assert deployment.replicas == 2 and deployment.nodes == 2
-
-    # ... and has decided a policy for each (the controller explores k under load, so it
-    # pushes one to each replica that runs steps).
-    assert all(r.chosen_policy is not None for r in view.replicas), [r.chosen_policy for r in view.replicas]
+    view = check_replicas_on_own_nodes_serve_and_get_policies(URL, replicas=2)
     print("\n" + admin_client.format_controller(view))
 
 

@@ -69,6 +69,18 @@ def test_cpu_app_fits_two_cores_and_starts_with_the_policy():
     assert config.deployment_config["ray_actor_options"]["num_cpus"] == 0
 
 
+def test_vllm_cluster_app_runs_one_unbound_thread_per_engine():
+    """Two vLLM engines on one 2-core machine: vLLM's own binding would put both on core 0."""
+    cfg = AppConfig.from_yaml(str(REPO / "configs" / "app-cluster-vllm.yaml"))
+    config = llm_config(cfg)
+    assert cfg.engine == "vllm" and cfg.num_replicas == 2
+    assert config.runtime_env["env_vars"] == {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    assert config.placement_group_config == {"bundles": [{"CPU": 1}]}  # one replica per 1-CPU node
+    assert config.deployment_config["ray_actor_options"]["num_cpus"] == 0
+    # Without cpu_threads vLLM keeps its own binding.
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in llm_config(AppConfig()).runtime_env["env_vars"]
+
+
 def test_gpu_app_reserves_one_bundle_per_tensor_parallel_gpu():
     cfg = AppConfig.from_yaml(str(REPO / "configs" / "app-gpu-tp2.yaml"))
     config = llm_config(cfg)

