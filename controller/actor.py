@@ -25,6 +25,7 @@ CONTROLLER_NAME = "adaspec-controller"
 NAMESPACE = "adaspec"
 CHECKPOINT_EVERY_PERIODS = 5
 HEAD_NODE_RESOURCE = "node:__internal_head__"  # Ray gives the head node one of these
+WATCH_TICKS_PER_PERIOD = 4  # checks for overdue replicas per control period
 
 logger = logging.getLogger("adaspec.controller")
 
@@ -44,10 +45,34 @@ class ControllerActor:
             logger.exception("adaspec controller: cannot resume from %s; starting fresh", self.path)
         self._writing = asyncio.Lock()  # one checkpoint write at a time, in order
         self._upkeep: asyncio.Task | None = None
+        self._watch: asyncio.Task | None = None
 
     def _ensure_upkeep(self) -> None:
+        loop = asyncio.get_running_loop()
         if self._upkeep is None or self._upkeep.done():
-            self._upkeep = asyncio.get_running_loop().create_task(self._upkeep_forever())
+            self._upkeep = loop.create_task(self._upkeep_forever())
+        if self._watch is None or self._watch.done():
+            self._watch = loop.create_task(self._watch_late_forever())
+
+    async def _watch_late_forever(self) -> None:
+        """A few times a period, ask Ray about the replicas whose report is overdue (each at
+        most once a period) and drop those whose actor died: a killed replica is gone within
+        about two periods, long before replica_timeout_s of silence."""
+        asked: dict[str, float] = {}  # replica -> unix seconds Ray was last asked about it
+        while True:
+            await asyncio.sleep(self.config.period_s / WATCH_TICKS_PER_PERIOD)
+            try:
+                now = time.time()
+                late = {rid: actor for rid, actor in self.core.late(now).items()
+                        if now - asked.get(rid, 0.0) >= self.config.period_s}
+                if late:
+                    asked.update(dict.fromkeys(late, now))
+                    for rid in self.core.drop(await asyncio.to_thread(_dead, late)):
+                        logger.info("adaspec controller: replica %s dropped (its actor died)", rid)
+                for rid in [rid for rid in asked if rid not in self.core.replicas]:
+                    del asked[rid]
+            except Exception:
+                logger.exception("adaspec controller: checking late replicas failed")
 
     async def _upkeep_forever(self) -> None:
         periods = 0
@@ -59,10 +84,6 @@ class ControllerActor:
                 now = time.time()
                 for rid in self.core.drop_stale(now):
                     logger.info("adaspec controller: replica %s dropped (silent)", rid)
-                late = self.core.late(now)
-                if late:
-                    for rid in self.core.drop(await asyncio.to_thread(_dead, late)):
-                        logger.info("adaspec controller: replica %s dropped (its actor died)", rid)
                 if now - last_refit >= self.config.refit_every_s:
                     last_refit = now
                     for model_id, job in self.core.refit_jobs().items():

@@ -27,6 +27,10 @@ from controller.state import Deployment, Replica
 from controller.step_time import FitReport, StepTimeModel
 from controller.view import ControllerView, deployment_view, replica_view
 
+# A report this many periods overdue makes the controller ask Ray whether the replica died:
+# reports come every period plus the time one takes, so a live replica is rarely this late,
+# and a wrong guess costs one query.
+LATE_AFTER_PERIODS = 1.25
 EXPLORE_STEPS = 20  # steps a (batch bucket, config) needs before the step-time model is trusted there
 
 
@@ -178,10 +182,10 @@ class ControllerCore:
         return self.drop(gone)
 
     def late(self, now: float) -> dict[str, str]:
-        """Replicas that missed their last report (silent 1.5 periods), by id -> Ray actor id:
-        the ones worth asking Ray about before replica_timeout_s drops them anyway."""
+        """Replicas whose report is overdue (silent LATE_AFTER_PERIODS periods), by id -> Ray
+        actor id: the ones worth asking Ray about before replica_timeout_s drops them anyway."""
         return {rid: r.actor_id for rid, r in self.replicas.items()
-                if r.actor_id and now - r.last_seen > 1.5 * self.config.period_s}
+                if r.actor_id and now - r.last_seen > LATE_AFTER_PERIODS * self.config.period_s}
 
     def drop(self, replica_ids: list[str]) -> list[str]:
         for rid in replica_ids:

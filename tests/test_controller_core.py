@@ -152,7 +152,7 @@ def test_a_joining_replica_starts_from_its_deployments_acceptance():
 
 
 def test_late_replicas_are_the_ones_to_ask_ray_about():
-    """A replica that missed its report (1.5 periods) is listed with its actor id, so the
+    """A replica whose report is overdue (1.25 periods) is listed with its actor id, so the
     actor can ask Ray whether it died and drop it at once instead of after the timeout."""
     core = ControllerCore(ControllerConfig(enabled=True, period_s=1.0, replica_timeout_s=30.0))
     a, b = SimulatedReplica("a", 0.5), SimulatedReplica("b", 0.5, seed=1)
@@ -161,6 +161,8 @@ def test_late_replicas_are_the_ones_to_ask_ray_about():
         core.report(tel.model_copy(update={"info": INFO.model_copy(update={"actor_id": f"actor-{rid}"})}), now=1.0)
     core.report(a.telemetry(1.0, 1.0, 1, 1), now=3.0)
     assert core.late(now=3.0) == {"b": "actor-b"}
+    assert core.late(now=2.2) == {}  # 1.2 periods: a report that takes a little longer is not late
+    assert core.late(now=2.3) == {"b": "actor-b"}
     assert core.drop(["b"]) == ["b"] and list(core.replicas) == ["a"]
 
 
