@@ -278,6 +278,10 @@ def read_profile(path: str, model_id: str | None = None) -> tuple[str, list[Step
 
 ROUTING_STATS_KEY = "adaspec"  # adaspec's entry in the dict a replica gives Serve's request router
 ROUTING_RECENT_STEPS = 32  # decode steps a RoutingStats measures over (about 1-5 s under load)
+# Steps older than this (seconds) no longer describe the replica: without the cutoff a replica
+# whose last steps were slow (a warm-up compile, a burst) looks slow to the router for ever,
+# gets no request, and so never measures again.
+ROUTING_MAX_STEP_AGE_S = 20.0
 
 
 class RoutingStats(BaseModel):
@@ -311,11 +315,12 @@ class RoutingStats(BaseModel):
     @classmethod
     def measure(cls, steps: list[StepRecord], requests: list[RequestRecord], *, running: int, waiting: int,
                 max_batch_size: int, measured_at: float, speed: PolicySpeed | None = None,
-                recent: int = ROUTING_RECENT_STEPS) -> RoutingStats:
+                recent: int = ROUTING_RECENT_STEPS, max_step_age_s: float = ROUTING_MAX_STEP_AGE_S) -> RoutingStats:
         """The stats of a replica from its step and finished-request records (oldest first),
-        over the last `recent` decode steps and requests. Prefill-only steps are left out:
-        they say nothing about how fast a sequence decodes."""
-        decode = [s for s in steps if s.num_decode_reqs][-recent:]
+        over the last `recent` decode steps that ended at most `max_step_age_s` seconds before
+        `measured_at`, and the last `recent` requests. Prefill-only steps are left out: they
+        say nothing about how fast a sequence decodes."""
+        decode = [s for s in steps if s.num_decode_reqs and s.time >= measured_at - max_step_age_s][-recent:]
         done = requests[-recent:]
         seqs = sum(s.num_decode_reqs for s in decode)
         return cls(

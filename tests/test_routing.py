@@ -134,6 +134,24 @@ def test_stats_measured_from_steps_and_requests():
     # Only the most recent decode steps count.
     assert RoutingStats.measure(steps, [], running=0, waiting=0, max_batch_size=8, measured_at=3.5,
                                 recent=1).step_s == pytest.approx(0.3)
+    # Steps older than max_step_age_s describe the replica no more: a replica whose last steps
+    # were slow and that got no request since is unmeasured again, not slow for ever.
+    assert RoutingStats.measure(steps, [], running=0, waiting=0, max_batch_size=8, measured_at=3.5,
+                                max_step_age_s=1.0).step_s == pytest.approx(0.3)
+    later = RoutingStats.measure(steps, requests, running=0, waiting=0, max_batch_size=8, measured_at=3.0 + 21.0)
+    assert later.step_s is None and later.tokens_per_step == 1.0 and later.mean_output_tokens == 30
+
+
+def test_a_replica_that_was_slow_once_gets_requests_again():
+    """Its old steps expire: priced by the fleet's median (or the controller's speed), it is
+    the idle one, and the next request goes there."""
+    busy = stats(running=6)
+
+    def idle_after(seconds: float) -> RoutingStats:
+        slow_step = _step(NOW - seconds, decode=1, accepted=[0, 0], duration=0.9)
+        return RoutingStats.measure([slow_step], [], running=0, waiting=0, max_batch_size=8, measured_at=NOW - 0.1)
+    assert choose_replica([("idle", idle_after(5.0)), ("busy", busy)], NOW, 2.0) == "busy"  # 0.9 s steps, lately
+    assert choose_replica([("idle", idle_after(30.0)), ("busy", busy)], NOW, 2.0) == "idle"
 
 
 def test_stats_before_any_step_are_unmeasured():
