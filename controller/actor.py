@@ -67,7 +67,7 @@ class ControllerActor:
                         if now - asked.get(rid, 0.0) >= self.config.period_s}
                 if late:
                     asked.update(dict.fromkeys(late, now))
-                    for rid in self.core.drop(await asyncio.to_thread(_dead, late)):
+                    for rid in self.core.drop(await asyncio.to_thread(_dead, late), "its actor died"):
                         logger.info("adaspec controller: replica %s dropped (its actor died)", rid)
                 for rid in [rid for rid in asked if rid not in self.core.replicas]:
                     del asked[rid]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import deque
 
 import numpy as np
 
@@ -25,13 +26,14 @@ from controller.policy_search import (
 )
 from controller.state import Deployment, Replica
 from controller.step_time import FitReport, StepTimeModel
-from controller.view import ControllerView, deployment_view, replica_view
+from controller.view import ControllerView, DroppedReplica, deployment_view, replica_view
 
 # A report this many periods overdue makes the controller ask Ray whether the replica died:
 # reports come every period plus the time one takes, so a live replica is rarely this late,
 # and a wrong guess costs one query.
 LATE_AFTER_PERIODS = 1.25
-EXPLORE_STEPS = 20  # steps a (batch bucket, config) needs before the step-time model is trusted there
+EXPLORE_STEPS = 20
+DROPPED_SHOWN = 16  # replicas that left, kept for the view  # steps a (batch bucket, config) needs before the step-time model is trusted there
 
 
 class ControllerCore:
@@ -44,6 +46,7 @@ class ControllerCore:
         self.restored = False
         self.decisions = 0
         self.pushed = 0
+        self.dropped: deque[DroppedReplica] = deque(maxlen=DROPPED_SHOWN)
 
     # ------------------------------------------------------------------ reports
     def report(self, tel: ReplicaTelemetry, now: float | None = None) -> ControllerReply:
@@ -179,7 +182,7 @@ class ControllerCore:
 
     def drop_stale(self, now: float) -> list[str]:
         gone = [rid for rid, r in self.replicas.items() if now - r.last_seen > self.config.replica_timeout_s]
-        return self.drop(gone)
+        return self.drop(gone, "silent", now)
 
     def late(self, now: float) -> dict[str, str]:
         """Replicas whose report is overdue (silent LATE_AFTER_PERIODS periods), by id -> Ray
@@ -187,9 +190,14 @@ class ControllerCore:
         return {rid: r.actor_id for rid, r in self.replicas.items()
                 if r.actor_id and now - r.last_seen > LATE_AFTER_PERIODS * self.config.period_s}
 
-    def drop(self, replica_ids: list[str]) -> list[str]:
+    def drop(self, replica_ids: list[str], reason: str = "", now: float | None = None) -> list[str]:
+        """Forget these replicas (they left); the view lists the latest DROPPED_SHOWN of them."""
+        now = time.time() if now is None else now
         for rid in replica_ids:
-            self.replicas.pop(rid, None)
+            rep = self.replicas.pop(rid, None)
+            if rep is not None:
+                self.dropped.append(DroppedReplica(replica_id=rid, node_id=rep.node_id, reason=reason,
+                                                   last_report=rep.last_seen, dropped_at=now))
         return replica_ids
 
     def view(self, now: float | None = None) -> ControllerView:
@@ -201,7 +209,7 @@ class ControllerCore:
                        for model_id, dep in self.deployments.items()]
         return ControllerView(
             paused=self.paused, restored_from_checkpoint=self.restored, decisions=self.decisions,
-            policies_pushed=self.pushed, replicas=views, deployments=deployments)
+            policies_pushed=self.pushed, replicas=views, deployments=deployments, dropped=list(self.dropped))
 
     # ------------------------------------------------------------------ checkpoint
     def state(self) -> ControllerCheckpoint:

@@ -83,7 +83,12 @@ def operating_point(rate: float, latency_at: Callable[[float], float], max_batch
 
 def break_even_rate(base: LatencyCoefficients, spec: LatencyCoefficients) -> float:
     """Requests/s beyond which speculation is slower than none (Kong et al.):
-    RPS* = (1 - C1r) / (C2_sd - C1r * C2_base), C1r = C1_sd / C1_base; inf if it never is."""
+    RPS* = (1 - C1r) / (C2_sd - C1r * C2_base), C1r = C1_sd / C1_base; inf if it never is.
+    A base fit without a fixed part (C1_base = 0, a fit of requests that all ran in large
+    batches) is beaten from the start by any speculation that has one, or that adds more per
+    concurrent request."""
+    if base.c1_s <= 0:
+        return 0.0 if spec.c1_s > 0 or spec.c2_s >= base.c2_s else math.inf
     c1r = spec.c1_s / base.c1_s
     denominator = spec.c2_s - c1r * base.c2_s
     if c1r >= 1:

@@ -77,6 +77,18 @@ class DeploymentView(BaseModel):
     step_time_model: FitReport
 
 
+class DroppedReplica(BaseModel):
+    """A replica the controller stopped tracking."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    replica_id: str
+    node_id: str
+    reason: str  # "its actor died" (Ray said so) or "silent" (no report for replica_timeout_s)
+    last_report: float  # unix seconds of its last report
+    dropped_at: float  # unix seconds
+
+
 class ControllerView(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -86,6 +98,7 @@ class ControllerView(BaseModel):
     policies_pushed: int
     replicas: list[ReplicaView]
     deployments: list[DeploymentView]
+    dropped: list[DroppedReplica] = []  # the latest replicas dropped, oldest first
 
     def deployment(self, model_id: str) -> DeploymentView | None:
         return next((d for d in self.deployments if d.model_id == model_id), None)

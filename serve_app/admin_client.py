@@ -90,6 +90,9 @@ def format_controller(view: ControllerView | None) -> str:
                 f"({fit.samples} requests, batch {fit.batch_lo:.1f}-{fit.batch_hi:.1f}, "
                 f"error {100 * fit.relative_error:.0f}%); saturates at {_fmt(c.saturation_rate, unit=' req/s')}"
                 + ("" if fit.config.is_off else f", slower than off beyond {_fmt(c.break_even_rate, unit=' req/s')}"))
+    for d in view.dropped:
+        lines.append(f"  dropped replica {d.replica_id} on node {d.node_id[:8] or '?'}: {d.reason}, "
+                     f"{d.dropped_at - d.last_report:.1f} s after its last report")
     return "\n".join(lines)
 
 

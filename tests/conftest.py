@@ -14,6 +14,7 @@ from typing import TypeVar
 
 import httpx
 import pytest
+import ray
 
 from adaspec.policy import SpecPolicy
 from bench.loopback_cluster import LoopbackCluster, NodeSpec
@@ -54,6 +55,23 @@ def cluster(request, tmp_path_factory) -> LoopbackCluster:
     yield cluster
     left = cluster.stop()
     assert not left, f"processes of the loopback cluster left behind: {left}"
+
+
+@pytest.fixture(scope="module")
+def ray_driver(cluster: LoopbackCluster):
+    """This process joined to the loopback cluster (a driver), for killing actors."""
+    if ray.is_initialized():
+        ray.shutdown()
+    # The cluster runs with token auth (bench.loopback_cluster); this process read its auth
+    # mode when it imported Ray, so it turns token auth on now, as test_controller_live does.
+    from ray._private.authentication.authentication_token_setup import (
+        maybe_enable_token_auth_if_token_available,
+    )
+
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    ray.init(address=cluster.address, log_to_driver=False)
+    yield
+    ray.shutdown()
 
 
 @contextlib.contextmanager

@@ -99,21 +99,6 @@ class StreamingLoad(ClosedLoopClients):
                     self.examples.append(f"{outcome}: {detail}")
 
 
-@pytest.fixture(scope="module")
-def ray_driver(cluster: LoopbackCluster):
-    """This process joined to the loopback cluster (a driver), for killing actors."""
-    if ray.is_initialized():
-        ray.shutdown()
-    # The cluster runs with token auth (bench.loopback_cluster); this process read its auth
-    # mode when it imported Ray, so it turns token auth on now, as test_controller_live does.
-    from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
-
-    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
-    ray.init(address=cluster.address, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def test_killed_replica_loses_no_waiting_request_and_its_replacement_starts_warm(app, ray_driver):
     before = {r.replica_id for r in admin_client.status(URL)}
     victim = sorted(before)[0]
@@ -126,10 +111,10 @@ def test_killed_replica_loses_no_waiting_request_and_its_replacement_starts_warm
 
         def dropped():
             view = admin_client.controller_view(URL)
-            return view if victim not in {r.replica_id for r in view.replicas} else None
+            return next((d for d in view.dropped if d.replica_id == victim), None)
 
-        wait_until(dropped, f"the controller dropping killed replica {victim}", 30)
-        dropped_s = time.time() - killed_at
+        gone = wait_until(dropped, f"the controller dropping killed replica {victim}", 30)
+        dropped_s = gone.dropped_at - killed_at
 
         def replacement():
             view = admin_client.controller_view(URL)
@@ -139,7 +124,8 @@ def test_killed_replica_loses_no_waiting_request_and_its_replacement_starts_warm
         new = wait_until(replacement, "Serve's replacement replica with a policy from the controller", 300)
         ok_then = load.counts["ok"]
         wait_until(lambda: load.counts["ok"] >= ok_then + 4, "4 more completions after the replacement", 180)
-    print(f"\n[cluster] replica kill: {load.counts}, dropped by the controller after {dropped_s:.1f} s, "
+    print(f"\n[cluster] replica kill: {load.counts}, dropped by the controller {dropped_s:.1f} s after the kill "
+          f"({gone.dropped_at - gone.last_report:.1f} s after its last report; {gone.reason}), "
           f"replacement {new.replica_id} decided for {new.seconds_to_first_decision:.1f} s after its engine was "
           f"ready, warm: {new.started_warm}; {load.examples}")
     # Only requests running on the killed replica may fail, and they must end, not hang.
@@ -147,9 +133,10 @@ def test_killed_replica_loses_no_waiting_request_and_its_replacement_starts_warm
     assert load.counts["cut"] == 0, load.examples  # a stream cut mid-way ends with an error event
     assert load.counts["refused"] + load.counts["error_event"] <= 4, load.counts
     assert new.started_warm and new.seconds_to_first_decision <= 2.0
-    # Ray's word that the actor died, not the silence timeout: measured 2.6-3.7 s here
-    # (two control periods, the upkeep's tick, the state API), against 60 s of silence.
-    assert dropped_s <= 10.0
+    # Ray's word that the actor died, not the silence timeout (60 s here), within about two
+    # control periods (1 s) of silence: measured 1.9 s after its last report, 2.6 s after
+    # ray.kill was called (Ray takes a while to end the actor).
+    assert gone.reason == "its actor died" and gone.dropped_at - gone.last_report <= 3.0 and dropped_s <= 10.0
 
 
 REPETITIVE = "one two three four five six, one two three four five six, one two three four five six, one two"
@@ -231,28 +218,3 @@ def test_lost_worker_node_loses_only_streams_on_it_and_the_controller_carries_on
     assert load.counts["refused"] + load.counts["error_event"] <= 4, load.counts
     assert new_node == "worker2" and new.started_warm
     assert view.decisions > decisions_before  # the controller, on the head, kept deciding
-
-
-def test_restarted_controller_resumes_every_replica_from_its_checkpoint(app, ray_driver):
-    """Kill the controller actor (Ray restarts it, on the head): it resumes from its
-    checkpoint with every live replica, their nodes included, and keeps deciding."""
-    from controller.actor import get_controller
-
-    live = {r.replica_id: r.info.node_id for r in admin_client.status(URL)}
-    before = wait_until(lambda: (v := admin_client.controller_view(URL)) and
-                        {r.replica_id for r in v.replicas} == live.keys() and v, "the controller knowing every replica", 60)
-    ray.get(get_controller().checkpoint.remote())
-    ray.kill(get_controller(), no_restart=False)
-
-    def resumed():
-        try:
-            view = admin_client.controller_view(URL)
-        except admin_client.AdminError:  # the actor restarting
-            return None
-        fresh = {r.replica_id for r in view.replicas if r.seconds_since_report < 3}
-        return view if view.restored_from_checkpoint and fresh == live.keys() else None
-
-    after = wait_until(resumed, "the restarted controller, resumed from its checkpoint, hearing from every replica", 120)
-    assert {r.replica_id: r.node_id for r in after.replicas} == live
-    assert after.decisions >= before.decisions
-    assert after.deployment(MODEL).step_time_model.samples >= before.deployment(MODEL).step_time_model.samples

@@ -163,7 +163,10 @@ def test_late_replicas_are_the_ones_to_ask_ray_about():
     assert core.late(now=3.0) == {"b": "actor-b"}
     assert core.late(now=2.2) == {}  # 1.2 periods: a report that takes a little longer is not late
     assert core.late(now=2.3) == {"b": "actor-b"}
-    assert core.drop(["b"]) == ["b"] and list(core.replicas) == ["a"]
+    assert core.drop(["b"], "its actor died", now=3.5) == ["b"] and list(core.replicas) == ["a"]
+    (gone,) = core.view(now=3.5).dropped
+    assert (gone.replica_id, gone.node_id, gone.reason, gone.last_report, gone.dropped_at) == (
+        "b", "node-a", "its actor died", 1.0, 3.5)
 
 
 def test_paused_controller_pushes_nothing():

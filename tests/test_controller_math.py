@@ -6,6 +6,7 @@ it and that the search picks long chains for small batches and none for large on
 
 from __future__ import annotations
 
+import math
 
 import numpy as np
 import pytest
@@ -180,3 +181,16 @@ def test_request_lifetimes_name_the_config_that_ran_most_steps():
     lifetimes.discard("b")
     assert lifetimes.finish("b", 0.0, 1, 1) is None
     assert lifetimes.finish("never-ran", 0.0, 1, 1) is None
+
+
+def test_break_even_rate_with_a_base_fit_without_fixed_cost():
+    """A fit of `off` whose intercept is 0 (all its requests ran in large batches) crashed the
+    controller's view (division by zero, HTTP 500 from /admin/controller)."""
+    from controller.latency import LatencyCoefficients, break_even_rate
+
+    flat = LatencyCoefficients(c1_s=0.0, c2_s=0.5)
+    assert break_even_rate(flat, LatencyCoefficients(c1_s=1.0, c2_s=0.1)) == 0.0
+    assert break_even_rate(flat, LatencyCoefficients(c1_s=0.0, c2_s=0.6)) == 0.0
+    assert break_even_rate(flat, LatencyCoefficients(c1_s=0.0, c2_s=0.4)) == math.inf
+    # The usual case is unchanged: C1r = 0.5, (1 - 0.5) / (0.3 - 0.5 * 0.2) = 2.5 req/s.
+    assert break_even_rate(LatencyCoefficients(2.0, 0.2), LatencyCoefficients(1.0, 0.3)) == pytest.approx(2.5)
