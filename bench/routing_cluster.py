@@ -62,9 +62,10 @@ def cluster_config(routing: str, replicas: int, directory: Path) -> Path:
 
 async def trace(args) -> tuple[list, list]:
     """The long requests' results and the measured requests' results."""
-    chat, code = load_prompts("sharegpt", 200, seed=args.seed), load_prompts("humaneval", 200, seed=args.seed)
-    mixed = [p for pair in zip(chat, code) for p in pair]
     offsets = arrivals_until(args.rate, args.duration, args.seed)
+    half = len(offsets) // 2 + 1
+    chat, code = load_prompts("sharegpt", half, seed=args.seed), load_prompts("humaneval", half, seed=args.seed)
+    mixed = [p for pair in zip(chat, code) for p in pair]
     sampling = realistic_mix(len(offsets), args.seed, args.greedy_share)
     long_prompts = load_prompts("sharegpt", 2 * args.burst, seed=args.seed + 1)
     long_offsets = [0.0] * args.burst + [args.duration / 2] * args.burst
