@@ -178,18 +178,21 @@ class SimReplica:
         g.seconds += duration
         g.prefill += self.prompt_tokens * admitted
         still = []
+        # The hot loop of the simulator: per sequence only its random draws; the counts per
+        # draft position are added once per step (a sequence drafts all k or none, and
+        # accepts a prefix of them).
+        draw, proposal_rate, acceptance = rng.random, eng.proposal_rate, eng.acceptance
+        drafting, accepted_hist = 0, [0] * (k + 1)  # sequences that drafted; [n] -> accepted exactly n
         for seq in self.running:
             if seq[2]:  # its prompt step: the first token, no drafts to verify yet
                 seq[2], gained = 0.0, 1
             else:
-                accepted, drafted = 0, k if k and rng.random() < eng.proposal_rate else 0
-                while accepted < drafted and rng.random() < eng.acceptance[accepted]:
+                accepted, drafted = 0, k if k and draw() < proposal_rate else 0
+                while accepted < drafted and draw() < acceptance[accepted]:
                     accepted += 1
-                for i in range(drafted):
-                    g.drafted[i] += 1
-                for i in range(accepted):
-                    g.accepted[i] += 1
-                g.drafts += 1 if drafted else 0
+                if drafted:
+                    drafting += 1
+                    accepted_hist[accepted] += 1
                 g.decode += 1
                 g.tokens += 1 + drafted
                 gained = 1 + accepted
@@ -206,6 +209,13 @@ class SimReplica:
             else:
                 still.append(seq)
         self.running = still
+        if drafting:
+            g.drafts += drafting
+            at_least = drafting  # sequences that accepted at least i + 1 draft tokens, from i = 0
+            for i in range(k):
+                g.drafted[i] += drafting
+                at_least -= accepted_hist[i]
+                g.accepted[i] += at_least
         if before is not None and g.decode > before[0]:
             decode, tokens, drafts, drafted, accepted = before
             self.recent_steps.append(StepRecord(
