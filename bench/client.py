@@ -56,11 +56,6 @@ class Sampling:
     top_p: float = 1.0
     ignore_eos: bool = True  # run to max_tokens whatever the model says (a synthetic regime)
 
-    @property
-    def label(self) -> str:
-        return ("greedy" if self.temperature == 0 else f"T={self.temperature:g}/top_p={self.top_p:g}") + (
-            ", ignore_eos" if self.ignore_eos else "")
-
 
 SYNTHETIC = Sampling()  # greedy, ignore_eos: the default of every benchmark here so far
 SAMPLED = Sampling(temperature=0.7, top_p=0.9, ignore_eos=False)

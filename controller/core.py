@@ -32,8 +32,8 @@ from controller.view import ControllerView, DroppedReplica, deployment_view, rep
 # reports come every period plus the time one takes, so a live replica is rarely this late,
 # and a wrong guess costs one query.
 LATE_AFTER_PERIODS = 1.25
-EXPLORE_STEPS = 20
-DROPPED_SHOWN = 16  # replicas that left, kept for the view  # steps a (batch bucket, config) needs before the step-time model is trusted there
+EXPLORE_STEPS = 20  # steps a (batch bucket, config) needs before the step-time model is trusted there
+DROPPED_SHOWN = 16  # replicas that left, kept for the view
 
 
 class ControllerCore:
@@ -57,14 +57,15 @@ class ControllerCore:
         if tel.replica_id not in self.replicas and tel.info is None:
             return ControllerReply(send_info=True)
         self.observe(tel, now)
+        rep = self.replicas[tel.replica_id]
+        costs, expected = self._models_for(rep, now)  # one evaluation for the decision and the speed
         policy = None
         if not self.paused:
-            decision = self.decide(tel.replica_id, now)
-            if decision is not None and decision.changed:
+            decision = self._decide(tel.replica_id, costs, expected, now)
+            if decision.changed:
                 self.pushed += 1
                 policy = decision.policy
-        rep = self.replicas[tel.replica_id]
-        return ControllerReply(policy=policy, speed=self.speed(tel.replica_id, policy or rep.policy_in_force, now))
+        return ControllerReply(policy=policy, speed=policy_speed(costs, expected, policy or rep.policy_in_force))
 
     def observe(self, tel: ReplicaTelemetry, now: float) -> None:
         """Update the replica's state and its deployment's from a report, deciding nothing.
@@ -94,24 +95,24 @@ class ControllerCore:
             dep.costs_built_at, dep.costs_version = now, dep.model_version
         return dep.costs
 
-    @staticmethod
-    def _expected(rep: Replica, costs: CostTable) -> np.ndarray:
-        """E(c) per cost-table config: tokens a sequence gains per step on this replica."""
+    def _models_for(self, rep: Replica, now: float) -> tuple[CostTable, np.ndarray]:
+        """The replica's deployment's cost table, and E(c) per config of it: tokens a
+        sequence gains per step on this replica."""
+        costs = self._costs(self.deployments[rep.model_id], rep.capabilities, now)
         marginal = rep.acceptance.marginal_rates()
-        return np.array([expected_accepted_length(c, marginal) for c in costs.configs])
+        return costs, np.array([expected_accepted_length(c, marginal) for c in costs.configs])
 
     def speed(self, replica_id: str, policy: SpecPolicy, now: float) -> PolicySpeed | None:
         """Predicted seconds per output token per batch bucket of a known replica under
         `policy` (the request router's view of it; controller.policy_search.policy_speed)."""
-        rep = self.replicas[replica_id]
-        costs = self._costs(self.deployments[rep.model_id], rep.capabilities, now)
-        return policy_speed(costs, self._expected(rep, costs), policy)
+        return policy_speed(*self._models_for(self.replicas[replica_id], now), policy)
 
-    def decide(self, replica_id: str, now: float) -> Decision | None:
+    def decide(self, replica_id: str, now: float) -> Decision:
+        return self._decide(replica_id, *self._models_for(self.replicas[replica_id], now), now)
+
+    def _decide(self, replica_id: str, costs: CostTable, expected: np.ndarray, now: float) -> Decision:
         rep = self.replicas[replica_id]
         dep = self.deployments[rep.model_id]
-        costs = self._costs(dep, rep.capabilities, now)
-        expected = self._expected(rep, costs)
         decision = search_policy(
             costs, expected, rate=rep.rate or 0.0, output_tokens=rep.output_tokens or 128.0,
             objective=self.objective, current=rep.policy_in_force, hysteresis=self.config.hysteresis,

@@ -1,4 +1,4 @@
-"""Speculation-aware routing: which replica finishes a new request soonest (pure math, no Ray).
+"""Speculation-aware routing: where a new request costs least (pure math, no Ray).
 
 Each replica reports a `RoutingStats` (adaspec/telemetry.py): its running batch, its queue,
 its measured step time at the batch it ran, the output tokens a sequence gains per step
