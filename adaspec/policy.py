@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Mapping, Sequence
-from typing import Annotated, TypeVar
+from collections.abc import Sequence
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
-
-T = TypeVar("T")
 
 # An open-ended range ends here; larger than any engine's max_num_seqs.
 OPEN_END = 1 << 20
@@ -50,25 +48,17 @@ class SpecConfig(BaseModel):
 
     @classmethod
     def off(cls) -> SpecConfig:
-        return _config_of(())
+        return cls(widths=())
 
     @classmethod
     def chain(cls, k: int) -> SpecConfig:
         if k < 0:
             raise PolicyError(f"chain length must be >= 0, got {k}")
-        return _config_of((1,) * k)
+        return cls(widths=(1,) * k)
 
     @classmethod
     def tree(cls, widths: tuple[int, ...] | list[int]) -> SpecConfig:
-        return _config_of(tuple(widths))
-
-    # The controller compares and hashes configs for every batch size of every report: on the
-    # widths alone, not through pydantic's generic field-by-field comparison (10x slower).
-    def __eq__(self, other: object) -> bool:
-        return self is other or (isinstance(other, SpecConfig) and self.widths == other.widths)
-
-    def __hash__(self) -> int:
-        return hash(self.widths)
+        return cls(widths=tuple(widths))
 
     @model_validator(mode="wrap")
     @classmethod
@@ -133,12 +123,6 @@ def _parse_config(text: str) -> SpecConfig:
 
 
 @functools.lru_cache(maxsize=4096)
-def _config_of(widths: tuple[int, ...]) -> SpecConfig:
-    # Frozen too: off(), chain(k) and tree(w) hand out one shared instance per shape.
-    return SpecConfig(widths=widths)
-
-
-@functools.lru_cache(maxsize=4096)
 def _config_text(widths: tuple[int, ...]) -> str:
     if not widths:
         return "off"
@@ -161,12 +145,6 @@ class PolicyRule(BaseModel):
         if self.batch_hi < self.batch_lo:
             raise ValueError(f"batch range {self.batch_lo}-{self.batch_hi} is empty")
         return self
-
-
-@functools.lru_cache(maxsize=4096)
-def _rule_of(batch_lo: int, batch_hi: int, config: SpecConfig) -> PolicyRule:
-    # Rules are frozen and few tables recur: the controller builds one per replica per period.
-    return PolicyRule(batch_lo=batch_lo, batch_hi=batch_hi, config=config)
 
 
 class SpecPolicy(BaseModel):
@@ -247,21 +225,10 @@ class SpecPolicy(BaseModel):
 
     def compile(self, max_batch_size: int) -> list[SpecConfig]:
         """Dense lookup: result[b] is the config for batch size b (index 0 unused)."""
-        return self._dense([rule.config for rule in self.rules], max_batch_size)
-
-    def columns(self, max_batch_size: int, index: Mapping[SpecConfig, int]) -> list[int] | None:
-        """`compile` as positions: result[b] is index[config for batch size b] (index 0
-        unused); None when the policy runs a config that `index` lacks."""
-        per_rule = [index.get(rule.config) for rule in self.rules]
-        if None in per_rule:
-            return None
-        return self._dense(per_rule, max_batch_size)
-
-    def _dense(self, per_rule: list[T], max_batch_size: int) -> list[T]:
-        table = [per_rule[0]] * (max_batch_size + 1)
-        for rule, value in zip(self.rules, per_rule):
+        table = [self.rules[0].config] * (max_batch_size + 1)
+        for rule in self.rules:
             for b in range(rule.batch_lo, min(rule.batch_hi, max_batch_size) + 1):
-                table[b] = value
+                table[b] = rule.config
         return table
 
     @classmethod
@@ -277,7 +244,8 @@ class SpecPolicy(BaseModel):
             else:
                 rules.append([b, b, table[b]])
         rules[-1][1] = OPEN_END
-        return cls(version=version, replica_id=replica_id, rules=tuple(_rule_of(lo, hi, c) for lo, hi, c in rules))
+        return cls(version=version, replica_id=replica_id,
+                   rules=tuple(PolicyRule(batch_lo=lo, batch_hi=hi, config=c) for lo, hi, c in rules))
 
     def with_configs(self, batch_lo: int, batch_hi: int, config: SpecConfig) -> SpecPolicy:
         """This policy with batch sizes batch_lo..batch_hi running `config` (same version)."""

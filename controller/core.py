@@ -152,7 +152,7 @@ class ControllerCore:
         if trial.depth and chosen.is_off:
             rep.last_probe = now
         policy = decision.policy.with_configs(lo, hi, trial)
-        return dataclasses.replace(decision, policy=policy, changed=not policy.same_rules(rep.policy_in_force))
+        return decision.model_copy(update={"policy": policy, "changed": not policy.same_rules(rep.policy_in_force)})
 
     # ------------------------------------------------------------------ upkeep
     def refit_jobs(self) -> dict[str, StepTimeModel]:

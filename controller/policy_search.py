@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict
 
 from adaspec.policy import SpecConfig, SpecPolicy
-from adaspec.telemetry import PolicySpeed
+from adaspec.telemetry import PolicySpeed, SpeedBucket
 from controller.latency import OperatingPoint, operating_point, request_latency
 from controller.step_time import StepTimeModel, decode_features, monotone_table
 
@@ -30,10 +31,9 @@ TREE_SHAPES = [(2,), (2, 1), (2, 2), (3, 1), (3, 1, 1), (2, 2, 1), (4, 2, 1), (2
                (3, 2, 1, 1), (4, 2, 2, 1), (2, 2, 2, 2), (4, 2, 1, 1, 1, 1)]
 
 
-# Plain dataclasses: a decision is made per replica per period and stays in the controller
-# (pydantic's construction cost was a fifth of a decision's time at 1,000 replicas).
-@dataclass(frozen=True, slots=True)
-class BucketChoice:
+class BucketChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     batch_lo: int
     batch_hi: int
     config: SpecConfig
@@ -41,14 +41,15 @@ class BucketChoice:
     tpot_s: float  # predicted seconds per output token
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
+class Decision(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     policy: SpecPolicy
     changed: bool  # differs from the policy in force
     buckets: list[BucketChoice]
     operating_batch: float  # predicted mean batch at the replica's arrival rate
     predicted_latency_s: float  # predicted mean request latency there (inf: saturated)
-    elapsed_s: float  # decision time (seconds)
+    elapsed_s: float  # decision time
 
 
 @dataclass(frozen=True)
@@ -93,11 +94,6 @@ class CostTable:
     def __post_init__(self) -> None:
         self.index = {c: i for i, c in enumerate(self.configs)}  # config -> column
         self.buckets = batch_buckets(self.max_batch)
-        # [bucket, batch - 1]: 1 / (bucket's batch sizes) inside it, so that a product with
-        # a [batch - 1, column] array averages each column over each bucket.
-        self.bucket_average = np.zeros((len(self.buckets), self.max_batch))
-        for i, (lo, hi) in enumerate(self.buckets):
-            self.bucket_average[i, lo - 1: hi] = 1.0 / (hi - lo + 1)
 
     @classmethod
     def build(cls, model: StepTimeModel, configs: list[SpecConfig], max_batch: int,
@@ -112,9 +108,12 @@ class CostTable:
         return self.step_s.shape[0] - 1
 
 
-def _bucket_means(values: np.ndarray, costs: CostTable) -> np.ndarray:
-    """Mean of values[b - 1, :] over each of costs.buckets' batch sizes: [bucket, column]."""
-    return costs.bucket_average @ values
+def _bucket_means(values: np.ndarray, buckets: list[tuple[int, int]]) -> np.ndarray:
+    """Mean of values[b - 1, :] over each bucket's batch sizes: [bucket, column]."""
+    cum = np.vstack([np.zeros((1, values.shape[1])), np.cumsum(values, axis=0)])
+    lo = np.array([b[0] for b in buckets]) - 1
+    hi = np.array([b[1] for b in buckets])
+    return (cum[hi] - cum[lo]) / (hi - lo)[:, None]
 
 
 def _table_latency(costs: CostTable, choice_of_batch: np.ndarray, expected: np.ndarray,
@@ -149,7 +148,7 @@ def search_policy(costs: CostTable, expected: np.ndarray, rate: float, output_to
         score = tokens_per_s
 
     choice = np.zeros(costs.max_batch + 1, dtype=int)
-    bucket_means = _bucket_means(score, costs)  # [bucket, config]
+    bucket_means = _bucket_means(score, buckets)  # [bucket, config]
     best_of = bucket_means.argmax(axis=1)
     for i, (lo, hi) in enumerate(buckets):
         best = int(best_of[i])
@@ -172,10 +171,10 @@ def search_policy(costs: CostTable, expected: np.ndarray, rate: float, output_to
                 choice, point = uniform, candidate
 
     out_buckets = []
-    tps_means, tpot_means = _bucket_means(tokens_per_s, costs), _bucket_means(tpot, costs)
+    tps_means, tpot_means = _bucket_means(tokens_per_s, buckets), _bucket_means(tpot, buckets)
     for i, (lo, hi) in enumerate(buckets):
         c = int(choice[lo])
-        out_buckets.append(BucketChoice(
+        out_buckets.append(BucketChoice.model_construct(
             batch_lo=lo, batch_hi=hi, config=costs.configs[c], tokens_per_s=float(tps_means[i, c]),
             tpot_s=float(tpot_means[i, c])))
     policy = SpecPolicy.from_table([costs.configs[c] for c in choice], version=version, replica_id=replica_id)
@@ -189,14 +188,12 @@ def policy_speed(costs: CostTable, expected: np.ndarray, policy: SpecPolicy) -> 
     """Predicted seconds per output token of one sequence, per batch bucket, under `policy`:
     step time t(b, c) / E(c) with c the config the policy runs at batch b (the request
     router's input). None when the policy runs a config the cost table does not hold."""
-    columns = policy.columns(costs.max_batch, costs.index)
-    if columns is None:
+    columns = [costs.index.get(c) for c in policy.compile(costs.max_batch)[1:]]
+    if any(c is None for c in columns):
         return None
     batch = np.arange(1, costs.max_batch + 1)
-    cols = np.array(columns[1:])
+    cols = np.array(columns)
     tpot = (costs.step_s[batch, cols] / expected[cols])[:, None]
-    means = _bucket_means(tpot, costs)[:, 0]
-    # Validated from plain values in one call: a SpeedBucket each costs more (the controller
-    # answers every report of every replica with one of these).
-    return PolicySpeed.model_validate({"policy_version": policy.version, "buckets": [
-        {"batch_lo": lo, "batch_hi": hi, "tpot_s": max(float(m), 1e-9)} for (lo, hi), m in zip(costs.buckets, means)]})
+    means = _bucket_means(tpot, costs.buckets)[:, 0]
+    return PolicySpeed(policy_version=policy.version, buckets=[
+        SpeedBucket(batch_lo=lo, batch_hi=hi, tpot_s=max(float(m), 1e-9)) for (lo, hi), m in zip(costs.buckets, means)])

@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import random
 import statistics
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import TypeVar
 
 from adaspec.telemetry import RoutingStats
@@ -92,21 +92,16 @@ def step_time_s(stats: RoutingStats, batch: float, fixed_share: float = FIXED_ST
 def tpot_s(stats: RoutingStats, batch: float, fixed_share: float = FIXED_STEP_SHARE) -> float:
     """Seconds per output token of one sequence at `batch` requests on the replica (the
     module docstring's tpot(b)). Needs measured stats or the controller's speed."""
-    return _tpot_curve(stats, fixed_share)(batch)
-
-
-def _tpot_curve(stats: RoutingStats, fixed_share: float) -> Callable[[float], float]:
-    """tpot_s of one replica as a function of the batch, with what does not depend on the
-    batch worked out once (the router asks for several batches per candidate)."""
-    speed = stats.speed
-    if speed is None:
-        tokens_per_step = stats.tokens_per_step
-        return lambda batch: step_time_s(stats, batch, fixed_share) / tokens_per_step
-    scale = 1.0
+    measured = None
     if stats.step_s is not None and stats.step_batch is not None:
-        scale = stats.step_s / stats.tokens_per_step / speed.tpot_s(stats.step_batch)
-        scale = min(max(scale, 1.0 / CALIBRATION_LIMIT), CALIBRATION_LIMIT)
-    return lambda batch: speed.tpot_s(batch) * scale
+        measured = stats.step_s / stats.tokens_per_step
+    if stats.speed is not None:
+        curve = stats.speed.tpot_s(batch)
+        if measured is None:
+            return curve
+        scale = measured / stats.speed.tpot_s(stats.step_batch)
+        return curve * min(max(scale, 1.0 / CALIBRATION_LIMIT), CALIBRATION_LIMIT)
+    return step_time_s(stats, batch, fixed_share) / stats.tokens_per_step
 
 
 def predicted_completion_s(stats: RoutingStats, output_tokens: int, now: float, *, sent: int = 0,
@@ -114,19 +109,14 @@ def predicted_completion_s(stats: RoutingStats, output_tokens: int, now: float, 
     """Predicted seconds until a new request of `output_tokens` tokens, sent now (unix s),
     finishes on the replica (the module docstring's model). `sent`: requests the router sent
     there after `stats.measured_at`, which the stats do not count yet."""
-    return _predicted_completion_s(stats, _tpot_curve(stats, fixed_share), output_tokens, now, sent)
-
-
-def _predicted_completion_s(stats: RoutingStats, tpot: Callable[[float], float], output_tokens: int, now: float,
-                            sent: int) -> float:
     max_batch = stats.max_batch_size
     output_tokens = max(output_tokens, 1)
     n = stats.running + stats.waiting + sent + 1
-    decode = output_tokens * tpot(min(n, max_batch))
+    decode = output_tokens * tpot_s(stats, min(n, max_batch), fixed_share)
     queue = 0.0
     if n > max_batch:
         mean_output = stats.mean_output_tokens or output_tokens
-        slot_s = mean_output * tpot(max_batch) / max_batch
+        slot_s = mean_output * tpot_s(stats, max_batch, fixed_share) / max_batch
         # The queue kept draining since the stats were measured.
         queue = max((n - max_batch) * slot_s - max(now - stats.measured_at, 0.0), 0.0)
     return queue + decode
@@ -136,15 +126,11 @@ def added_delay_s(stats: RoutingStats, now: float, *, sent: int = 0, fixed_share
     """Seconds a new request adds, in total, to the requests already decoding on the replica
     (the module docstring's `added`): each of them has about half its output still to make,
     at a slower step once the batch holds one more sequence."""
-    return _added_delay_s(stats, _tpot_curve(stats, fixed_share), sent)
-
-
-def _added_delay_s(stats: RoutingStats, tpot: Callable[[float], float], sent: int) -> float:
     decoding = stats.running + stats.waiting + sent
     if decoding == 0 or decoding >= stats.max_batch_size:
         return 0.0  # nobody there yet, or the batch is full: it waits for a slot, slowing no one
     remaining = (stats.mean_output_tokens or DEFAULT_OUTPUT_TOKENS) / 2
-    slower = tpot(decoding + 1) - tpot(decoding)
+    slower = tpot_s(stats, decoding + 1, fixed_share) - tpot_s(stats, decoding, fixed_share)
     return decoding * remaining * max(slower, 0.0)
 
 
@@ -153,8 +139,8 @@ def routing_cost_s(stats: RoutingStats, output_tokens: int, now: float, *, sent:
     """What sending a request of `output_tokens` tokens to the replica costs, in seconds of
     latency summed over requests: its own predicted completion time plus the time it adds
     to the others there (the module docstring's `cost`)."""
-    tpot = _tpot_curve(stats, fixed_share)
-    return _predicted_completion_s(stats, tpot, output_tokens, now, sent) + _added_delay_s(stats, tpot, sent)
+    return (predicted_completion_s(stats, output_tokens, now, sent=sent, fixed_share=fixed_share)
+            + added_delay_s(stats, now, sent=sent, fixed_share=fixed_share))
 
 
 def _is_measured(stats: RoutingStats) -> bool:
@@ -180,7 +166,7 @@ def sample_candidates(candidates: Sequence[T], max_candidates: int | None, rng: 
     """At most `max_candidates` of the candidates, drawn at random (all of them when fewer)."""
     if max_candidates is None or len(candidates) <= max_candidates:
         return list(candidates)
-    return (rng or random).sample(candidates, max_candidates)  # a sequence, range included: no copy
+    return (rng or random).sample(list(candidates), max_candidates)
 
 
 def rank_replicas(candidates: Sequence[tuple[ReplicaId, RoutingStats | None]], now: float, max_stats_age_s: float,
