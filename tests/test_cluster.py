@@ -221,28 +221,3 @@ def test_lost_worker_node_loses_only_streams_on_it_and_the_controller_carries_on
     assert load.counts["refused"] + load.counts["error_event"] <= 4, load.counts
     assert new_node == "worker2" and new.started_warm
     assert view.decisions > decisions_before  # the controller, on the head, kept deciding
-
-
-def test_restarted_controller_resumes_every_replica_from_its_checkpoint(app, ray_driver):
-    """Kill the controller actor (Ray restarts it, on the head): it resumes from its
-    checkpoint with every live replica, their nodes included, and keeps deciding."""
-    from controller.actor import get_controller
-
-    live = {r.replica_id: r.info.node_id for r in admin_client.status(URL)}
-    before = wait_until(lambda: (v := admin_client.controller_view(URL)) and
-                        {r.replica_id for r in v.replicas} == live.keys() and v, "the controller knowing every replica", 60)
-    ray.get(get_controller().checkpoint.remote())
-    ray.kill(get_controller(), no_restart=False)
-
-    def resumed():
-        try:
-            view = admin_client.controller_view(URL)
-        except admin_client.AdminError:  # the actor restarting
-            return None
-        fresh = {r.replica_id for r in view.replicas if r.seconds_since_report < 3}
-        return view if view.restored_from_checkpoint and fresh == live.keys() else None
-
-    after = wait_until(resumed, "the restarted controller, resumed from its checkpoint, hearing from every replica", 120)
-    assert {r.replica_id: r.node_id for r in after.replicas} == live
-    assert after.decisions >= before.decisions
-    assert after.deployment(MODEL).step_time_model.samples >= before.deployment(MODEL).step_time_model.samples
