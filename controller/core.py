@@ -60,7 +60,11 @@ class ControllerCore:
         rep = self.replicas[tel.replica_id]
         costs, expected = self._models_for(rep, now)  # one evaluation for the decision and the speed
         policy = None
-        if not self.paused:
+        # A window without steps (an idle replica) teaches the models nothing and changes no
+        # input of the decision, so the policy in force stays: no new version every period.
+        # A replica not decided for yet still gets its first (warm) policy.
+        idle = not tel.steps and rep.decision is not None
+        if not self.paused and not idle:
             decision = self._decide(tel.replica_id, costs, expected, now)
             if decision.changed:
                 self.pushed += 1

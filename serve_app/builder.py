@@ -20,7 +20,7 @@ from ray.serve.deployment import Application
 from adaspec.models import resolve_model
 from controller.actor import HEAD_NODE_RESOURCE
 from serve_app.config import AppConfig
-from serve_app.ingress import ENDPOINTS, AdaspecIngress
+from serve_app.ingress import ENDPOINTS, AdaspecIngress, ingress_app
 from serve_app.native_adapter import AdaspecNativeEngine, NativeSettings
 from serve_app.ray_llm import LLMConfig, build_llm_deployment, make_fastapi_ingress, to_model_metadata
 from serve_app.replica import ReplicaSettings, SpecReplica
@@ -185,7 +185,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     if cfg.engine == "native":
         bind_kwargs["engine_cls"] = functools.partial(AdaspecNativeEngine, settings=native_settings(cfg))
     replicas = build_llm_deployment(config, bind_kwargs=bind_kwargs, deployment_cls=SpecReplica)
-    ingress_cls = make_fastapi_ingress(AdaspecIngress, endpoint_map=ENDPOINTS)
+    ingress_cls = make_fastapi_ingress(AdaspecIngress, endpoint_map=ENDPOINTS, app=ingress_app())
     # On the head, beside the HTTP proxy (proxy_location: HeadOnly): the ingress holds every
     # open stream, so on a worker node a lost node would cut streams of every replica, not
     # just those of the replicas it ran.

@@ -3,6 +3,11 @@
 OpenAI routes (from ray.serve.llm): GET /v1/models, GET /v1/models/{id},
 POST /v1/completions, POST /v1/chat/completions (`stream: true` for server-sent events).
 
+Readiness: GET /health answers 200 once every model has a replica whose engine can serve
+(Serve marks a replica RUNNING only after its engine started), else 503 with Retry-After;
+the ingress logs one line, "adaspec: ready to serve ...", the first time it is. /v1/models
+answers from the start (it lists the configured models), so it says nothing about readiness.
+
 Admin routes (off unless `admin.enabled`; `Authorization: Bearer <token>` when a token is
 configured, as `admin.token` or in the variable `admin.token_env` names), used by `adaspec status` and `adaspec policy set`:
 - GET  /admin/status  -> [ReplicaTelemetry], one per replica
@@ -10,7 +15,9 @@ configured, as `admin.token` or in the variable `admin.token_env` names), used b
   one per replica (a replica other than `replica_id` answers `not_this_replica`)
 - GET  /admin/controller -> ControllerView (404 when no controller runs)
 - POST /admin/controller {"action": "pause" | "resume"} -> ControllerView
-A call reaches every replica through Ray Serve LLM's `broadcast` (one actor call each).
+A call reaches every replica through Ray Serve LLM's `broadcast` (one actor call each). Until
+the app is ready an admin call answers 503 with Retry-After at once (broadcast would wait
+for replicas that are still starting, then fail).
 """
 
 from __future__ import annotations
@@ -18,17 +25,25 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 from typing import Literal
 
-from fastapi import Request, Response, status
+from fastapi import FastAPI, Request, Response, status
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
+from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from adaspec.policy import PolicyError, SpecPolicy
 from controller.config import ControllerConfig
 from serve_app.config import AdminConfig
-from serve_app.ray_llm import DEFAULT_ENDPOINTS, OpenAIHTTPException, OpenAiIngress, broadcast
+from serve_app.ray_llm import (
+    DEFAULT_ENDPOINTS, ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse, OpenAIHTTPException,
+    OpenAiIngress, broadcast, new_ingress_app,
+)
+from serve_app.request_checks import body_problem
 
 OPENAI_ROUTES = ("models", "model_data", "completions", "chat")
 
@@ -38,6 +53,23 @@ logger = logging.getLogger("ray.serve")
 # A replica that died (its actor, or its node) or cannot be reached.
 REPLICA_LOST = (RayActorError, ActorUnavailableError)
 REPLICA_RETRIES = 2
+RETRY_AFTER_S = 5  # what a 503 tells a client starting too early to wait (seconds)
+READY_POLL_S = 2.0  # how often the ingress looks for readiness until it first sees it (seconds)
+
+
+def not_ready_reason(running: dict[str, int]) -> str | None:
+    """Why the app cannot serve yet, from the replicas running per model (model id ->
+    replicas RUNNING); None when every model has one."""
+    waiting = sorted(model for model, n in running.items() if n < 1)
+    if not waiting:
+        return None
+    return f"the engine of {', '.join(waiting)} is starting: no replica can serve it yet"
+
+
+def _unavailable(message: str) -> JSONResponse:
+    error = ErrorResponse(error=ErrorInfo(message=message, type="ServiceUnavailableError", code=503))
+    return JSONResponse(error.model_dump(), status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
+                        headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def _stream_error(message: str) -> str:
@@ -58,6 +90,48 @@ class PolicyRequest(BaseModel):
     table: str = Field(description="policy table, e.g. `1-2:chain4,3-8:chain2,9+:off`")
     version: int | None = Field(default=None, ge=0, description="default: now, in milliseconds")
     replica_id: str | None = Field(default=None, description="one replica only (default: every replica)")
+
+
+# The request model of each OpenAI route, for request_checks.body_problem.
+_ROUTE_MODELS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+
+
+async def _refuse_unservable_body(request: Request, call_next):
+    """Answer 400 to a body that the routes' own parsing would turn into a 500
+    (serve_app/request_checks.py), before any route reads it."""
+    if request.method == "POST":
+        # Starlette replays the body to the route.
+        problem = body_problem(await request.body(), _ROUTE_MODELS.get(request.url.path))
+        if problem is not None:
+            error = ErrorResponse(error=ErrorInfo(message=problem, type="BadRequestError", code=400))
+            return JSONResponse(error.model_dump(), status_code=status.HTTP_400_BAD_REQUEST)
+    return await call_next(request)
+
+
+# FastAPI's words for a body it could not read at all: bytes that are not UTF-8, or JSON
+# nested deeper than Python's parser goes.
+_UNPARSABLE_BODY = "There was an error parsing the body"
+_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError"}
+
+
+async def _openai_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """FastAPI's own HTTP errors (an unreadable body, an unknown route, a wrong method) in
+    the OpenAI error shape instead of FastAPI's `{"detail": ...}`."""
+    message = str(exc.detail)
+    if message == _UNPARSABLE_BODY:
+        message = "the request body is not JSON this server can read: not UTF-8, or nested too deeply"
+    kind = _ERROR_TYPES.get(exc.status_code, "InvalidRequestError")
+    error = ErrorResponse(error=ErrorInfo(message=message, type=kind, code=exc.status_code))
+    return JSONResponse(error.model_dump(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+
+def ingress_app() -> FastAPI:
+    """Ray Serve LLM's FastAPI app for the ingress, with FastAPI's errors in OpenAI's shape
+    and the bodies its routes would fail on refused with a 400."""
+    app = new_ingress_app()
+    app.add_exception_handler(StarletteHTTPException, _openai_http_error)
+    app.middleware("http")(_refuse_unservable_body)
+    return app
 
 
 def _json_response(model: BaseModel) -> Response:
@@ -82,6 +156,53 @@ class AdaspecIngress(OpenAiIngress):
         # field and variable named, instead of every admin call later.
         self._admin_token = admin.resolve_token() if admin.enabled else None
         self._controller_config = controller
+        self._app_name = serve.get_replica_context().app_name
+        self._ready = False
+        threading.Thread(target=self._announce_ready, name="adaspec-ready", daemon=True).start()
+
+    def _running_replicas(self) -> dict[str, int]:
+        """Replicas RUNNING per model id, from Serve's controller (blocking: one actor call)."""
+        app = serve.status().applications.get(self._app_name)
+        deployments = app.deployments if app is not None else {}
+        running = {}
+        for model_id, handle in self._default_serve_handles.items():
+            overview = deployments.get(handle.deployment_name)
+            running[model_id] = overview.replica_states.get("RUNNING", 0)  # a str enum if overview else 0
+        return running
+
+    async def _not_ready(self) -> str | None:
+        """Why the app cannot serve yet; None when it can."""
+        reason = not_ready_reason(await asyncio.to_thread(self._running_replicas))
+        self._ready = reason is None
+        return reason
+
+    def _announce_ready(self) -> None:
+        """Log one line the first time the app can serve: what `serve run` users wait for."""
+        while True:
+            try:
+                running = self._running_replicas()
+            except Exception as e:  # noqa: BLE001 - Serve's controller busy or restarting: ask again
+                logger.debug("adaspec: readiness not known yet: %r", e)
+                running = None
+            if running is not None and not_ready_reason(running) is None:
+                self._ready = True
+                logger.info("adaspec: ready to serve %s (%s); readiness route GET /health",
+                            ", ".join(sorted(running)), ", ".join(f"{n} replica(s) of {m}" for m, n in running.items()))
+                return
+            time.sleep(READY_POLL_S)
+
+    async def health(self):
+        """200 when every model has a replica that can serve, else 503 with Retry-After."""
+        if (reason := await self._not_ready()) is not None:
+            return _unavailable(reason)
+        return JSONResponse({"status": "ready"})
+
+    async def _unready_admin(self) -> JSONResponse | None:
+        """A 503 for an admin call made before the app can serve, else None."""
+        if self._ready:
+            return None
+        reason = await self._not_ready()
+        return None if reason is None else _unavailable(f"{reason}; admin routes answer once it can")
 
     async def _get_response(self, **kwargs):
         """Ray Serve LLM's call of a replica, made safe against a replica that dies:
@@ -133,11 +254,15 @@ class AdaspecIngress(OpenAiIngress):
 
     async def admin_status(self, request: Request):
         self._check_admin(request)
+        if (unready := await self._unready_admin()) is not None:
+            return unready
         reports = await self._broadcast("telemetry")
         return [r.model_dump(mode="json") for r in reports]
 
     async def admin_policy(self, body: PolicyRequest, request: Request):
         self._check_admin(request)
+        if (unready := await self._unready_admin()) is not None:
+            return unready
         version = body.version if body.version is not None else new_policy_version()
         try:
             policy = SpecPolicy.parse(body.table, version=version, replica_id=body.replica_id)
@@ -166,17 +291,22 @@ class AdaspecIngress(OpenAiIngress):
 
     async def admin_controller(self, request: Request):
         self._check_admin(request)
+        if (unready := await self._unready_admin()) is not None:
+            return unready
         view = await (await self._controller()).view.remote()
         return _json_response(view)
 
     async def admin_controller_action(self, body: ControllerRequest, request: Request):
         self._check_admin(request)
+        if (unready := await self._unready_admin()) is not None:
+            return unready
         view = await (await self._controller()).set_paused.remote(body.action == "pause")
         return _json_response(view)
 
 
 ENDPOINTS = {
     **{name: DEFAULT_ENDPOINTS[name] for name in OPENAI_ROUTES},
+    "health": lambda app: app.get("/health"),
     "admin_status": lambda app: app.get("/admin/status"),
     "admin_policy": lambda app: app.post("/admin/policy"),
     "admin_controller": lambda app: app.get("/admin/controller"),

@@ -285,3 +285,22 @@ def test_every_answer_carries_the_predicted_speed_of_the_policy_in_force():
     good.policy = manual
     reply = core.report(good.telemetry(t, 1.0, 1, 1), now=t + 1.0)
     assert reply.policy is None and reply.speed.policy_version == manual.version
+
+
+def test_an_idle_replica_keeps_its_policy_version():
+    """Reports without steps (no traffic) push nothing: the policy version stays put, while a
+    replica never decided for still gets its first policy at its first report."""
+    core = ControllerCore(ControllerConfig(enabled=True))
+    rep = SimulatedReplica("r0", alpha=0.7)
+    t = rep.run(core, 0.0, 10, batch=4, arrivals=4)  # busy: decided for
+    versions = set()
+    for i in range(20):
+        idle = rep.telemetry(t + i, 1.0, batch=4, arrivals=0).model_copy(update={"steps": [], "running": 0})
+        reply = core.report(idle, now=t + i + 1.0)
+        assert reply.policy is None, reply.policy
+        versions.add(core.replicas["r0"].policy_in_force.version)
+    assert len(versions) == 1
+
+    newcomer = SimulatedReplica("r1", alpha=0.7).telemetry(t, 1.0, batch=4, arrivals=0)
+    first = core.report(newcomer.model_copy(update={"steps": [], "running": 0}), now=t + 1.0)
+    assert core.replicas["r1"].decision is not None and first.speed is not None

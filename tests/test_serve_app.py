@@ -87,7 +87,7 @@ def test_official_openai_client(server):
 
 LONG_PROMPT = "hello " * 3000  # > 2048 tokens (max_model_len in configs/app.yaml)
 BAD_INPUTS = [
-    # name, path, raw body (str) or JSON body, status, text the message must contain
+    # name, path, raw body (str, bytes) or JSON body (None: a GET), status, text the message must contain
     ("malformed_json", "/v1/completions", '{"model": "m", "prompt": ', 400, "JSON"),
     ("missing_prompt", "/v1/completions", {"model": MODEL, "max_tokens": 4}, 400, "prompt"),
     ("missing_messages", "/v1/chat/completions", {"model": MODEL, "max_tokens": 4}, 400, "messages"),
@@ -111,12 +111,43 @@ BAD_INPUTS = [
      {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 4, "stream": True}, 400, "context"),
     ("empty_prompt", "/v1/completions", {"model": MODEL, "prompt": "", "max_tokens": 4}, 400, "prompt"),
     ("empty_messages", "/v1/chat/completions", {"model": MODEL, "messages": [], "max_tokens": 4}, 400, "empty"),
+    # Strings that are not Unicode: JSON's \ud800 escape decodes to a lone surrogate.
+    ("surrogate_in_prompt", "/v1/completions",
+     '{"model": "%s", "prompt": "hi \\ud800 there", "max_tokens": 2}' % MODEL, 400, "body.prompt is not valid Unicode"),
+    ("surrogate_in_message", "/v1/chat/completions",
+     '{"model": "%s", "messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}' % MODEL, 400,
+     "body.messages[0].content is not valid Unicode"),
+    ("surrogate_in_stop", "/v1/completions",
+     '{"model": "%s", "prompt": "hi", "stop": ["\\ud800"], "max_tokens": 2}' % MODEL, 400, "body.stop[0]"),
+    ("surrogate_in_model", "/v1/completions", '{"model": "\\ud800", "prompt": "hi", "max_tokens": 2}', 400,
+     "body.model is not valid Unicode"),
+    ("body_not_utf8", "/v1/completions", b'{"model": "m", "prompt": "\xff\xfe", "max_tokens": 2}', 400, "UTF-8"),
+    ("deeply_nested", "/v1/completions",
+     '{"model": "%s", "prompt": %s, "max_tokens": 2}' % (MODEL, "[" * 100_000 + "]" * 100_000), 400, "nested"),
+    ("huge_token_array", "/v1/completions", {"model": MODEL, "prompt": list(range(200_000)), "max_tokens": 2}, 400,
+     "context"),
+    ("huge_stop_array", "/v1/completions",
+     {"model": MODEL, "prompt": "hi", "stop": [f"x{i}" for i in range(100_000)], "max_tokens": 2}, 400, "stop"),
+    ("huge_logit_bias", "/v1/completions",
+     {"model": MODEL, "prompt": "hi", "logit_bias": {str(i): 1 for i in range(100_000)}, "max_tokens": 2}, 400,
+     "token_id"),
+    ("n_huge", "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 10**6, "max_tokens": 2}, 400, "n must"),
+    ("temperature_nan", "/v1/completions",
+     '{"model": "%s", "prompt": "hi", "temperature": NaN, "max_tokens": 2}' % MODEL, 400, "NaN is not a JSON number"),
+    ("structured_outputs_not_an_object", "/v1/chat/completions",
+     {"model": MODEL, "messages": CHAT, "structured_outputs": [1], "max_tokens": 2}, 400, "wrong type"),
+    ("seed_beyond_int64", "/v1/completions", {"model": MODEL, "prompt": "hi", "seed": 2**80, "max_tokens": 2}, 400,
+     "seed"),
+    ("unknown_route", "/v1/no-such-route", {"model": MODEL}, 404, "not found"),
+    ("wrong_method", "/v1/completions", None, 405, "method not allowed"),
 ]
 
 
 @pytest.mark.parametrize("name,path,body,status,needle", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
 def test_bad_input_gets_an_openai_error(client, name, path, body, status, needle):
-    if isinstance(body, str):
+    if body is None:
+        resp = client.get(path, timeout=60)
+    elif isinstance(body, (str, bytes)):
         resp = client.post(path, content=body, headers={"content-type": "application/json"}, timeout=60)
     else:
         resp = client.post(path, json=body, timeout=60)
