@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -54,6 +55,17 @@ def live_engine_processes() -> list[str]:
     return found
 
 
+@dataclass(frozen=True)
+class StartupProbe:
+    """One try of `ServeProcess.wait_ready`: seconds after the start, and what GET /health,
+    GET /admin/status and a 1-token completion answered (HTTP status, Retry-After)."""
+
+    elapsed_s: float
+    health: tuple[int | None, str | None]
+    admin: tuple[int | None, str | None]
+    completion: tuple[int | None, str | None]
+
+
 class ServeProcess:
     def __init__(self, config: Path, url: str, log_path: Path, command: list[str] | None = None,
                  env: dict[str, str] | None = None):
@@ -77,21 +89,32 @@ class ServeProcess:
         return "\n".join(line[:400] for line in lines[-n:] if "Attempted to load weight" not in line)
 
     def wait_ready(self, model: str, timeout_s: float = 900) -> float:
-        """Block until a 1-token completion succeeds; return the seconds it took."""
+        """Block until a 1-token completion succeeds; return the seconds it took. Every try
+        also asks GET /health and GET /admin/status: `self.startup` keeps what each answered
+        (StartupProbe), so tests can check that readiness told the truth while starting."""
         start = time.monotonic()
         body = {"model": model, "prompt": "Hi", "max_tokens": 1}
+        self.startup: list[StartupProbe] = []
         while time.monotonic() - start < timeout_s:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"`serve run` exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.post(f"{self.url}/v1/completions", json=body, timeout=10).status_code == 200:
-                    # Pin this server's Ray session: other Ray instances may start later.
-                    self.session_dir = Path(os.path.realpath("/tmp/ray/session_latest"))
-                    return time.monotonic() - start
-            except httpx.HTTPError:
-                pass
+            health, admin = self._probe("get", "/health"), self._probe("get", "/admin/status")
+            completion = self._probe("post", "/v1/completions", json=body)
+            self.startup.append(StartupProbe(time.monotonic() - start, health, admin, completion))
+            if completion[0] == 200:
+                # Pin this server's Ray session: other Ray instances may start later.
+                self.session_dir = Path(os.path.realpath("/tmp/ray/session_latest"))
+                return time.monotonic() - start
             time.sleep(3)
         raise TimeoutError(f"server not ready after {timeout_s} s:\n{self.log_tail()}")
+
+    def _probe(self, method: str, path: str, **kwargs) -> tuple[int | None, str | None]:
+        """(HTTP status or None when nothing answered, its Retry-After header)."""
+        try:
+            resp = httpx.request(method, f"{self.url}{path}", timeout=10, **kwargs)
+        except httpx.HTTPError:
+            return None, None
+        return resp.status_code, resp.headers.get("retry-after")
 
     def _port(self, name: str) -> str:
         ports = glob.glob(str(self.session_dir / f"{name}_*"))

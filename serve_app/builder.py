@@ -120,8 +120,8 @@ def request_router_config(cfg: AppConfig) -> RequestRouterConfig | None:
 
 
 def _scaling_and_routing(cfg: AppConfig) -> dict[str, Any]:
-    """The replica count (or Serve's autoscaling_config) and the request router: Serve
-    deployment options, in LLMConfig.deployment_config."""
+    """The replica count (or Serve's autoscaling_config), the queue bounds and the request
+    router: Serve deployment options, in LLMConfig.deployment_config."""
     out: dict[str, Any]
     if cfg.autoscaling is None:
         out = {"num_replicas": cfg.num_replicas}
@@ -131,6 +131,12 @@ def _scaling_and_routing(cfg: AppConfig) -> dict[str, Any]:
             "min_replicas": auto.min_replicas, "max_replicas": auto.max_replicas,
             "target_ongoing_requests": auto.target_ongoing_requests or cfg.max_num_seqs,
         }}
+    # Bounded queues: a replica holds a full batch and the next one; beyond what the ingress
+    # may queue for a replica with room, a request is refused at once (HTTP 429) rather than
+    # waiting without bound (Ray Serve LLM's default: 1e9 per replica, no queue bound).
+    out["max_ongoing_requests"] = cfg.max_ongoing_requests or 2 * cfg.max_num_seqs
+    out["max_queued_requests"] = (cfg.max_queued_requests if cfg.max_queued_requests is not None
+                                  else 2 * cfg.max_num_seqs)
     router = request_router_config(cfg)
     if router is not None:
         out["request_router_config"] = router

@@ -8,6 +8,7 @@ says only `model: smollm2-135m-instruct` starts on a 2-core laptop.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -69,6 +70,16 @@ class SpeculationConfig(_Strict):
         return SpecPolicy.parse(self.policy, version=0)
 
 
+def is_loopback(host: str) -> bool:
+    """Whether an HTTP host is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
 class AdminConfig(_Strict):
     """The operator routes under /admin (status, policy), used by `adaspec status|policy`."""
 
@@ -84,6 +95,14 @@ class AdminConfig(_Strict):
         if self.token is not None and self.token_env is not None:
             raise ValueError("token and token_env exclude each other: give the token, or the variable holding it")
         return self
+
+    def check_exposure(self, host: str) -> None:
+        """Refuse admin routes without a token on a server reachable from other machines
+        (`host`: the HTTP host Serve listens on). ValueError naming admin.token."""
+        if self.enabled and self.token is None and self.token_env is None and not is_loopback(host):
+            raise ValueError(f"admin.token: the admin routes are enabled without a token on host {host!r}, which "
+                             f"other machines can reach; set admin.token (or admin.token_env, the variable holding "
+                             f"it), or admin.enabled: false, or serve on 127.0.0.1")
 
     def resolve_token(self, environ: Mapping[str, str] = os.environ) -> str | None:
         """The bearer token in force: `token`, or the value of the variable `token_env` names.
@@ -147,6 +166,14 @@ class AppConfig(_Strict):
         description="request router across replicas: `spec_aware` (least predicted completion time from each "
         "replica's batch, queue, step time and accepted tokens; docs/routing.md) or Ray Serve's "
         "`power_of_two`; default spec_aware when more than one replica can run")
+    max_ongoing_requests: int | None = Field(
+        default=None, ge=1,
+        description="requests a replica holds at once, running or waiting in its engine (Serve's "
+        "max_ongoing_requests); default 2 x max_num_seqs: a full batch and the next one")
+    max_queued_requests: int | None = Field(
+        default=None, ge=-1,
+        description="requests that wait in the ingress for a replica with room (Serve's max_queued_requests); "
+        "beyond it a request gets HTTP 429 with Retry-After at once; -1 = no bound; default 2 x max_num_seqs")
     max_model_len: int = Field(default=2048, ge=16, description="context window (tokens)")
     max_num_seqs: int = Field(default=64, ge=1, description="largest running batch (requests)")
     kv_cache_gib: float | None = Field(

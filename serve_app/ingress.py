@@ -9,7 +9,9 @@ the ingress logs one line, "adaspec: ready to serve ...", the first time it is. 
 answers from the start (it lists the configured models), so it says nothing about readiness.
 
 Admin routes (off unless `admin.enabled`; `Authorization: Bearer <token>` when a token is
-configured, as `admin.token` or in the variable `admin.token_env` names), used by `adaspec status` and `adaspec policy set`:
+configured, as `admin.token` or in the variable `admin.token_env` names; enabled without a
+token only on a loopback host, else the ingress refuses to start; bodies up to 64 KiB and
+policies up to 1,000 rules), used by `adaspec status` and `adaspec policy set`:
 - GET  /admin/status  -> [ReplicaTelemetry], one per replica
 - POST /admin/policy  {"table": "1-2:chain4,3+:off", "replica_id": optional} -> [PolicyAck],
   one per replica (a replica other than `replica_id` answers `not_this_replica`)
@@ -34,14 +36,16 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.exceptions import BackPressureError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from adaspec.policy import PolicyError, SpecPolicy
 from controller.config import ControllerConfig
+from serve_app.admin_guard import AdminGuard
 from serve_app.config import AdminConfig
 from serve_app.ray_llm import (
     DEFAULT_ENDPOINTS, ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse, OpenAIHTTPException,
-    OpenAiIngress, broadcast, new_ingress_app,
+    OpenAiIngress, broadcast, new_ingress_app, serve_client,
 )
 from serve_app.request_checks import body_problem
 
@@ -53,6 +57,8 @@ logger = logging.getLogger("ray.serve")
 # A replica that died (its actor, or its node) or cannot be reached.
 REPLICA_LOST = (RayActorError, ActorUnavailableError)
 REPLICA_RETRIES = 2
+MAX_ADMIN_BODY_BYTES = 64 * 1024  # an admin call is a policy table or an action: a few hundred bytes
+MAX_POLICY_RULES = 1000  # rules in one policy (an engine runs at most a few hundred batch sizes)
 RETRY_AFTER_S = 5  # what a 503 tells a client starting too early to wait (seconds)
 READY_POLL_S = 2.0  # how often the ingress looks for readiness until it first sees it (seconds)
 
@@ -100,8 +106,13 @@ async def _refuse_unservable_body(request: Request, call_next):
     """Answer 400 to a body that the routes' own parsing would turn into a 500
     (serve_app/request_checks.py), before any route reads it."""
     if request.method == "POST":
-        # Starlette replays the body to the route.
-        problem = body_problem(await request.body(), _ROUTE_MODELS.get(request.url.path))
+        raw = await request.body()  # Starlette replays it to the route
+        if request.url.path.startswith("/admin/") and len(raw) > MAX_ADMIN_BODY_BYTES:
+            error = ErrorResponse(error=ErrorInfo(
+                message=f"admin request bodies are limited to {MAX_ADMIN_BODY_BYTES} bytes; this one has {len(raw)}",
+                type="RequestTooLargeError", code=413))
+            return JSONResponse(error.model_dump(), status_code=status.HTTP_413_REQUEST_ENTITY_TOO_LARGE)
+        problem = body_problem(raw, _ROUTE_MODELS.get(request.url.path))
         if problem is not None:
             error = ErrorResponse(error=ErrorInfo(message=problem, type="BadRequestError", code=400))
             return JSONResponse(error.model_dump(), status_code=status.HTTP_400_BAD_REQUEST)
@@ -111,7 +122,7 @@ async def _refuse_unservable_body(request: Request, call_next):
 # FastAPI's words for a body it could not read at all: bytes that are not UTF-8, or JSON
 # nested deeper than Python's parser goes.
 _UNPARSABLE_BODY = "There was an error parsing the body"
-_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError"}
+_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError", 429: "RateLimitError"}
 
 
 async def _openai_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -151,10 +162,10 @@ class AdaspecIngress(OpenAiIngress):
     def __init__(self, llm_deployments, model_cards, *, admin: AdminConfig,
                  controller: ControllerConfig | None = None, **kwargs):
         super().__init__(llm_deployments, model_cards, **kwargs)
-        self._admin = admin
-        # Resolved once, at start: a missing token variable fails the deployment here with the
-        # field and variable named, instead of every admin call later.
-        self._admin_token = admin.resolve_token() if admin.enabled else None
+        # Checked once, at start: a missing token variable, or open routes on a public host,
+        # fails the deployment here with the field named, instead of every admin call later.
+        host = serve_client().get_serve_details()["http_options"]["host"] if admin.enabled else ""
+        self._admin = AdminGuard(admin, host)
         self._controller_config = controller
         self._app_name = serve.get_replica_context().app_name
         self._ready = False
@@ -205,7 +216,8 @@ class AdaspecIngress(OpenAiIngress):
         return None if reason is None else _unavailable(f"{reason}; admin routes answer once it can")
 
     async def _get_response(self, **kwargs):
-        """Ray Serve LLM's call of a replica, made safe against a replica that dies:
+        """Ray Serve LLM's call of a replica, made safe against a replica that dies, and
+        refusing at once (HTTP 429, Retry-After) what finds every queue full:
         - before its first chunk, the request is sent again (Serve's router picks a live
           replica), up to REPLICA_RETRIES times: the client has received nothing yet;
         - mid-stream, the stream ends with an OpenAI-style error event (then `[DONE]`),
@@ -217,6 +229,13 @@ class AdaspecIngress(OpenAiIngress):
                     sent = True
                     yield chunk
                 return
+            except BackPressureError:
+                # Every replica full and the ingress's queue for them too (max_ongoing_requests,
+                # max_queued_requests): refused at once, before the client got anything.
+                raise StarletteHTTPException(
+                    status.HTTP_429_TOO_MANY_REQUESTS, headers={"Retry-After": str(RETRY_AFTER_S)},
+                    detail=f"the server is at capacity: every replica is full, and so is the queue in front of "
+                           f"them (max_queued_requests); retry in {RETRY_AFTER_S} s") from None
             except REPLICA_LOST as e:
                 if sent:
                     logger.warning("adaspec: replica lost mid-stream: %r", e)
@@ -236,14 +255,7 @@ class AdaspecIngress(OpenAiIngress):
         return await super()._get_model_id(model)
 
     def _check_admin(self, request: Request) -> None:
-        if not self._admin.enabled:
-            raise OpenAIHTTPException(
-                status_code=status.HTTP_404_NOT_FOUND, type="NotFound",
-                message="admin routes are disabled; set admin.enabled: true in the app config")
-        if self._admin_token and request.headers.get("authorization") != f"Bearer {self._admin_token}":
-            raise OpenAIHTTPException(
-                status_code=status.HTTP_401_UNAUTHORIZED, type="Unauthorized",
-                message="admin routes need the header `Authorization: Bearer <admin token>`")
+        self._admin.check(request)
 
     async def _broadcast(self, method: str, *args) -> list:
         results = []
@@ -268,6 +280,10 @@ class AdaspecIngress(OpenAiIngress):
             policy = SpecPolicy.parse(body.table, version=version, replica_id=body.replica_id)
         except (PolicyError, ValueError) as e:
             raise OpenAIHTTPException(status_code=400, type="BadRequestError", message=str(e))
+        if len(policy.rules) > MAX_POLICY_RULES:
+            raise OpenAIHTTPException(status_code=400, type="BadRequestError",
+                                      message=f"a policy has at most {MAX_POLICY_RULES} rules; this one has "
+                                              f"{len(policy.rules)}")
         acks = await self._broadcast("apply_policy", policy)
         if body.replica_id is not None and all(a.status == "not_this_replica" for a in acks):
             raise OpenAIHTTPException(status_code=404, type="NotFoundError",

@@ -44,6 +44,9 @@ from ray.llm._internal.serve.core.ingress.ingress import init as new_ingress_app
 # Serve's power-of-two-choices router, the fallback of serve_app/router.py's router (subclassed,
 # not rewritten); ray.serve.request_router exports the base class and its mixins, not it.
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
+# The HTTP host the Serve instance listens on (the ingress refuses open admin routes on a
+# public one); Serve's public API does not say.
+from ray.serve.context import _get_global_client as serve_client
 # One actor call to every replica of a deployment (the admin routes); Serve has no public
 # broadcast, and a DeploymentHandle call reaches one replica.
 from ray.llm._internal.serve.utils.broadcast import broadcast
@@ -55,5 +58,5 @@ __all__ = [
     "ChatCompletionRequest", "ChatCompletionResponse", "ChatCompletionStreamResponse", "CompletionRequest",
     "CompletionResponse", "CompletionStreamResponse", "DEFAULT_ENDPOINTS", "ErrorInfo", "ErrorResponse",
     "LLMConfig", "LLMEngine", "LLMServer", "OpenAIHTTPException", "OpenAiIngress", "PINNED_RAY_MINOR", "PowerOfTwoChoicesRequestRouter",
-    "VLLMEngine", "broadcast", "build_llm_deployment", "make_fastapi_ingress", "new_ingress_app", "to_model_metadata",
+    "VLLMEngine", "broadcast", "serve_client", "build_llm_deployment", "make_fastapi_ingress", "new_ingress_app", "to_model_metadata",
 ]

@@ -13,10 +13,10 @@ from pydantic import ValidationError
 from starlette.requests import Request
 
 from cli.serve_config import ConfigError, check_serve_config
+from serve_app.admin_guard import AdminGuard
 from serve_app.ray_llm import OpenAIHTTPException
 from serve_app.builder import build_app, llm_config
 from serve_app.config import AdminConfig, AppConfig
-from serve_app.ingress import AdaspecIngress
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -132,21 +132,21 @@ def _request(headers: dict[str, str]) -> Request:
     (AdminConfig(enabled=True), {}, None),
 ])
 def test_admin_routes_are_guarded(admin, headers, status):
-    ingress = AdaspecIngress({}, {}, admin=admin)
+    guard = AdminGuard(admin, "127.0.0.1")
     if status is None:
-        ingress._check_admin(_request(headers))
+        guard.check(_request(headers))
     else:
         with pytest.raises(OpenAIHTTPException) as err:
-            ingress._check_admin(_request(headers))
+            guard.check(_request(headers))
         assert err.value.status_code == status
 
 
 def test_admin_token_from_an_environment_variable(monkeypatch):
     monkeypatch.setenv("ADASPEC_TEST_ADMIN_TOKEN", "from-env")
-    ingress = AdaspecIngress({}, {}, admin=AdminConfig(enabled=True, token_env="ADASPEC_TEST_ADMIN_TOKEN"))
-    ingress._check_admin(_request({"Authorization": "Bearer from-env"}))
+    guard = AdminGuard(AdminConfig(enabled=True, token_env="ADASPEC_TEST_ADMIN_TOKEN"), "0.0.0.0")
+    guard.check(_request({"Authorization": "Bearer from-env"}))
     with pytest.raises(OpenAIHTTPException) as err:
-        ingress._check_admin(_request({}))
+        guard.check(_request({}))
     assert err.value.status_code == 401
 
 
@@ -159,9 +159,36 @@ def test_admin_token_variable_unset_fails_at_start(monkeypatch, value):
         monkeypatch.setenv("ADASPEC_TEST_ADMIN_TOKEN", value)
     admin = AdminConfig(enabled=True, token_env="ADASPEC_TEST_ADMIN_TOKEN")
     with pytest.raises(ValueError, match=r"admin\.token_env: .*ADASPEC_TEST_ADMIN_TOKEN"):
-        AdaspecIngress({}, {}, admin=admin)
+        AdminGuard(admin, "127.0.0.1")
     # Admin routes off: the variable is never read.
-    AdaspecIngress({}, {}, admin=AdminConfig(enabled=False, token_env="ADASPEC_TEST_ADMIN_TOKEN"))
+    AdminGuard(AdminConfig(enabled=False, token_env="ADASPEC_TEST_ADMIN_TOKEN"), "0.0.0.0")
+
+
+@pytest.mark.parametrize("host,refused", [
+    ("127.0.0.1", False), ("localhost", False), ("::1", False), ("127.0.0.2", False),
+    ("0.0.0.0", True), ("10.0.0.5", True), ("::", True), ("my-host.example", True),
+])
+def test_open_admin_routes_on_a_public_host_refuse_to_start(host, refused):
+    open_routes = AdminConfig(enabled=True)
+    if refused:
+        with pytest.raises(ValueError, match=r"^admin\.token: "):
+            AdminGuard(open_routes, host)
+    else:
+        AdminGuard(open_routes, host)
+    AdminGuard(AdminConfig(enabled=True, token="s3cret"), host)  # with a token, anywhere
+    AdminGuard(AdminConfig(enabled=False), host)
+
+
+def test_serve_config_with_open_admin_routes_on_a_public_host_fails_naming_the_token(tmp_path):
+    doc = yaml.safe_load((REPO / "configs" / "app.yaml").read_text())
+    doc["http_options"]["host"] = "0.0.0.0"
+    bad = tmp_path / "public.yaml"
+    bad.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ConfigError, match=r"applications\[adaspec\]\.args\.admin\.token: .*'0\.0\.0\.0'"):
+        check_serve_config(bad)
+    doc["applications"][0]["args"]["admin"]["token_env"] = "ADASPEC_ADMIN_TOKEN"
+    bad.write_text(yaml.safe_dump(doc))
+    check_serve_config(bad)
 
 
 @pytest.mark.parametrize("admin", [

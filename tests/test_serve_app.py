@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import re
 
@@ -67,6 +68,31 @@ def test_streaming_delivers_the_same_text(client, chat):
         streamed = _sse_text(resp, chat)
     assert streamed == plain_text
     assert streamed
+
+
+def test_readiness_told_the_truth_while_the_server_started(server):
+    """While the engine started (conftest's server fixture probed every 3 s until a
+    completion succeeded): GET /health answered 503 with Retry-After, and 200 only when a
+    completion then succeeded; admin routes answered 503 with Retry-After, never a 500 or a
+    hang; the app logged one line when ready. Before the app exists, Serve's proxy answers 404
+    (nothing listens before that)."""
+    probes = server.startup
+    assert probes and probes[-1].completion[0] == 200
+    health = [p.health for p in probes]
+    assert any(status == 503 for status, _ in health), probes
+    for p in probes:
+        assert p.health[0] in (None, 404, 503, 200), p
+        assert p.admin[0] in (None, 404, 503, 200), p
+        for status, retry_after in (p.health, p.admin):
+            assert status != 503 or (retry_after and int(retry_after) > 0), p
+        if p.health[0] == 200:  # ready means a completion succeeds
+            assert p.completion[0] == 200, p
+    assert httpx.get(f"{URL}/health", timeout=10).json() == {"status": "ready"}
+    ready_lines = [line for line in server.log_path.read_text(errors="replace").splitlines()
+                   if "adaspec: ready to serve" in line]
+    assert len(ready_lines) == 1, ready_lines
+    print(f"\n[readiness] {len(probes)} probes over {server.ready_s:.0f} s; /health answered "
+          f"{collections.Counter(s for s, _ in health)}; admin {collections.Counter(p.admin[0] for p in probes)}")
 
 
 def test_official_openai_client(server):
