@@ -8,6 +8,7 @@ Run it under `flock /tmp/adaspec-8001.lock` when others share the machine.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -173,6 +174,34 @@ def test_client_disconnect_aborts_the_request(client):
     # Aborted, not finished: a request that ran to its 500 tokens would be recorded as finished.
     finished = [r for r in _status(client)["requests"] if r["finish_time"] > since]
     assert not finished, f"the closed stream's request ran to the end: {finished}"
+
+
+def test_beyond_the_queue_bound_requests_get_429_at_once_and_the_rest_are_served(client):
+    """configs/app-tree.yaml: max_num_seqs 8, so the replica holds 16 requests and the ingress
+    queues 16 more (the defaults, 2 x max_num_seqs each). Of 40 sent at once, those beyond
+    get HTTP 429 with Retry-After in the OpenAI shape, before any admitted one finishes; every
+    admitted one is served."""
+    body = {"model": MODEL, "prompt": "Count to a thousand: 1, 2, 3,", "max_tokens": 32, "temperature": 0,
+            "ignore_eos": True}
+    start = time.monotonic()
+
+    def send(_):
+        resp = httpx.post(f"{URL}/v1/completions", json=body, timeout=300)
+        return resp, time.monotonic() - start
+
+    with concurrent.futures.ThreadPoolExecutor(40) as pool:
+        results = list(pool.map(send, range(40)))
+    refused = [(r, s) for r, s in results if r.status_code == 429]
+    served = [(r, s) for r, s in results if r.status_code == 200]
+    print(f"\n[backpressure] 40 at once: {len(served)} served (last after {max(s for _, s in served):.1f} s), "
+          f"{len(refused)} refused with 429 (last after {max((s for _, s in refused), default=0):.1f} s)")
+    assert len(refused) + len(served) == 40, [r.text[:200] for r, _ in results if r.status_code not in (200, 429)]
+    assert len(refused) >= 40 - 32 - 2, len(refused)  # a request or two may finish while others arrive
+    assert len(served) >= 32 - 2, len(served)
+    assert max(s for _, s in refused) < min(s for _, s in served)  # refused at once, not after waiting
+    for resp, _ in refused:
+        assert int(resp.headers["retry-after"]) > 0
+        assert resp.json()["error"]["type"] == "RateLimitError", resp.text
 
 
 # ----------------------------------------------------------------------------------- control plane
