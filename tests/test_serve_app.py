@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import json
 import re
+import time
 
 import httpx
 import openai
 import pytest
 
-from tests.conftest import MODEL, URL, complete, push_policy, set_controller, wait_until
+from tests.conftest import MODEL, URL, complete, push_policy, replica_status, set_controller, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -186,6 +188,54 @@ def test_bad_input_gets_an_openai_error(client, name, path, body, status, needle
 def _counter(metrics: str, name: str) -> float:
     """Sum of a Prometheus counter over all label sets."""
     return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", metrics, re.M))
+
+
+def _gauge(metrics: str, name: str) -> float | None:
+    values = [float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", metrics, re.M)]
+    return sum(values) if values else None
+
+
+def test_clients_that_go_away_free_their_engine_slots(server, client):
+    """20 streaming clients that close mid-stream and 20 non-streaming ones that time out:
+    vLLM aborts all 40 (Serve cancels a request whose client disconnected), the running batch
+    returns to 0 and the KV cache empties, and none of them is in the replica's request
+    records (an aborted request's latency says nothing about the engine)."""
+    since = time.time()
+    body = {"model": MODEL, "prompt": "Count to a thousand: 1, 2, 3,", "max_tokens": 400, "temperature": 0,
+            "ignore_eos": True}
+
+    def stream_then_drop(_):
+        with httpx.stream("POST", f"{URL}/v1/completions", json={**body, "stream": True}, timeout=120) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    return True  # one chunk, then the connection closes
+        return False
+
+    def time_out(_):
+        try:
+            httpx.post(f"{URL}/v1/completions", json=body, timeout=httpx.Timeout(120, read=3.0))
+        except httpx.ReadTimeout:
+            return True
+        return False
+
+    with concurrent.futures.ThreadPoolExecutor(40) as pool:
+        dropped = list(pool.map(stream_then_drop, range(20)))
+        timed_out = list(pool.map(time_out, range(20)))
+    assert all(dropped) and all(timed_out), (dropped, timed_out)
+
+    def idle():
+        (replica,) = replica_status(client)
+        return replica if replica["running"] == 0 and replica["queue_length"] == 0 else None
+
+    wait_until(idle, "the engine's running batch and queue emptying after 40 clients went away", 60)
+    wait_until(lambda: _gauge(server.metrics_text(), "ray_vllm_kv_cache_usage_perc") == 0.0,
+               "vLLM's KV cache usage back to 0", 60)
+    complete(client, "Hello", max_tokens=4)  # a request that finishes: the records do show those
+    (replica,) = replica_status(client)
+    kept = [r for r in replica["requests"] if r["arrival_time"] >= since]
+    assert [r["output_tokens"] for r in kept] == [4], f"aborted requests recorded as finished: {kept[:3]}"
+    print("\n[disconnects] 20 dropped streams + 20 timed-out requests: engine idle, KV cache usage 0, "
+          "none of them in the request records, the finished one after them is")
 
 
 def test_ngram_speculation_is_really_on(server, client):
