@@ -119,6 +119,9 @@ def request_router_config(cfg: AppConfig) -> RequestRouterConfig | None:
     )
 
 
+HEALTH_CHECK_PERIOD_S = 2.0
+
+
 def _scaling_and_routing(cfg: AppConfig) -> dict[str, Any]:
     """The replica count (or Serve's autoscaling_config), the queue bounds and the request
     router: Serve deployment options, in LLMConfig.deployment_config."""
@@ -137,6 +140,10 @@ def _scaling_and_routing(cfg: AppConfig) -> dict[str, Any]:
     out["max_ongoing_requests"] = cfg.max_ongoing_requests or 2 * cfg.max_num_seqs
     out["max_queued_requests"] = (cfg.max_queued_requests if cfg.max_queued_requests is not None
                                   else 2 * cfg.max_num_seqs)
+    # A replica whose engine died fails every request until Serve replaces it: Serve asks its
+    # health (LLMServer.check_health, the engine's) every HEALTH_CHECK_PERIOD_S seconds and
+    # replaces it after three failures (Ray Serve's default period is 10 s: 30 s of errors).
+    out["health_check_period_s"] = HEALTH_CHECK_PERIOD_S
     router = request_router_config(cfg)
     if router is not None:
         out["request_router_config"] = router

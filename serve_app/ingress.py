@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError
+from vllm.v1.engine.exceptions import EngineDeadError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from adaspec.policy import PolicyError, SpecPolicy
@@ -54,8 +55,9 @@ OPENAI_ROUTES = ("models", "model_data", "completions", "chat")
 
 logger = logging.getLogger("ray.serve")
 
-# A replica that died (its actor, or its node) or cannot be reached.
-REPLICA_LOST = (RayActorError, ActorUnavailableError)
+# A replica that died (its actor, or its node), cannot be reached, or whose vLLM engine died
+# (its engine-core process killed: every call fails until Serve's health check replaces it).
+REPLICA_LOST = (RayActorError, ActorUnavailableError, EngineDeadError)
 REPLICA_RETRIES = 2
 MAX_ADMIN_BODY_BYTES = 64 * 1024  # an admin call is a policy table or an action: a few hundred bytes
 MAX_POLICY_RULES = 1000  # rules in one policy (an engine runs at most a few hundred batch sizes)
@@ -69,7 +71,7 @@ def not_ready_reason(running: dict[str, int]) -> str | None:
     waiting = sorted(model for model, n in running.items() if n < 1)
     if not waiting:
         return None
-    return f"the engine of {', '.join(waiting)} is starting: no replica can serve it yet"
+    return f"no replica of {', '.join(waiting)} can serve yet: its engine is starting (or being replaced)"
 
 
 def _unavailable(message: str) -> JSONResponse:
@@ -122,7 +124,8 @@ async def _refuse_unservable_body(request: Request, call_next):
 # FastAPI's words for a body it could not read at all: bytes that are not UTF-8, or JSON
 # nested deeper than Python's parser goes.
 _UNPARSABLE_BODY = "There was an error parsing the body"
-_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError", 429: "RateLimitError"}
+_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError", 429: "RateLimitError",
+                503: "ServiceUnavailableError"}
 
 
 async def _openai_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -168,7 +171,6 @@ class AdaspecIngress(OpenAiIngress):
         self._admin = AdminGuard(admin, host)
         self._controller_config = controller
         self._app_name = serve.get_replica_context().app_name
-        self._ready = False
         threading.Thread(target=self._announce_ready, name="adaspec-ready", daemon=True).start()
 
     def _running_replicas(self) -> dict[str, int]:
@@ -183,9 +185,7 @@ class AdaspecIngress(OpenAiIngress):
 
     async def _not_ready(self) -> str | None:
         """Why the app cannot serve yet; None when it can."""
-        reason = not_ready_reason(await asyncio.to_thread(self._running_replicas))
-        self._ready = reason is None
-        return reason
+        return not_ready_reason(await asyncio.to_thread(self._running_replicas))
 
     def _announce_ready(self) -> None:
         """Log one line the first time the app can serve: what `serve run` users wait for."""
@@ -196,7 +196,6 @@ class AdaspecIngress(OpenAiIngress):
                 logger.debug("adaspec: readiness not known yet: %r", e)
                 running = None
             if running is not None and not_ready_reason(running) is None:
-                self._ready = True
                 logger.info("adaspec: ready to serve %s (%s); readiness route GET /health",
                             ", ".join(sorted(running)), ", ".join(f"{n} replica(s) of {m}" for m, n in running.items()))
                 return
@@ -209,9 +208,8 @@ class AdaspecIngress(OpenAiIngress):
         return JSONResponse({"status": "ready"})
 
     async def _unready_admin(self) -> JSONResponse | None:
-        """A 503 for an admin call made before the app can serve, else None."""
-        if self._ready:
-            return None
+        """A 503 for an admin call while no replica can serve (starting, or replaced after its
+        engine died), else None: a broadcast would wait for one, then fail."""
         reason = await self._not_ready()
         return None if reason is None else _unavailable(f"{reason}; admin routes answer once it can")
 
@@ -219,7 +217,8 @@ class AdaspecIngress(OpenAiIngress):
         """Ray Serve LLM's call of a replica, made safe against a replica that dies, and
         refusing at once (HTTP 429, Retry-After) what finds every queue full:
         - before its first chunk, the request is sent again (Serve's router picks a live
-          replica), up to REPLICA_RETRIES times: the client has received nothing yet;
+          replica), up to REPLICA_RETRIES times: the client has received nothing yet; then
+          HTTP 503 with Retry-After;
         - mid-stream, the stream ends with an OpenAI-style error event (then `[DONE]`),
           instead of a connection cut with no word of why."""
         for attempt in range(REPLICA_RETRIES + 1):
@@ -237,13 +236,17 @@ class AdaspecIngress(OpenAiIngress):
                     detail=f"the server is at capacity: every replica is full, and so is the queue in front of "
                            f"them (max_queued_requests); retry in {RETRY_AFTER_S} s") from None
             except REPLICA_LOST as e:
+                what = "engine died" if isinstance(e, EngineDeadError) else f"replica was lost ({type(e).__name__})"
                 if sent:
-                    logger.warning("adaspec: replica lost mid-stream: %r", e)
-                    yield _stream_error(f"the replica serving this request was lost mid-stream: {type(e).__name__}")
+                    logger.warning("adaspec: %s mid-stream: %r", what, e)
+                    yield _stream_error(f"the {what} mid-stream; Serve replaces it")
                     return
                 if attempt == REPLICA_RETRIES:
-                    raise
-                logger.warning("adaspec: replica lost before the first token, retrying (%d): %r", attempt + 1, e)
+                    raise StarletteHTTPException(
+                        status.HTTP_503_SERVICE_UNAVAILABLE, headers={"Retry-After": str(RETRY_AFTER_S)},
+                        detail=f"the replica serving this request: {what}; Serve replaces it, retry in "
+                               f"{RETRY_AFTER_S} s") from None
+                logger.warning("adaspec: %s before the first token, retrying (%d): %r", what, attempt + 1, e)
 
     async def _get_model_id(self, model: str | None) -> str:
         # Ray's ingress answers an unknown model with FastAPI's {"detail": ...}; clients of

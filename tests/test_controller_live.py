@@ -4,11 +4,16 @@ replicas."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import json
+import signal
+import threading
 import time
 from collections import Counter
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 import ray
 
@@ -17,7 +22,10 @@ from adaspec.policy import SpecConfig
 from controller.actor import NAMESPACE, get_controller
 from controller.checkpoint_file import CHECKPOINT_FILE
 from controller.view import ControllerView
-from tests.conftest import MODEL, URL, ClosedLoopClients, push_policy, replica_status, set_controller, wait_until
+from tests.conftest import (
+    MODEL, URL, ClosedLoopClients, complete, push_policy, replica_status, set_controller, wait_until,
+)
+from tests.serve_process import session_processes
 
 pytestmark = pytest.mark.slow
 
@@ -175,6 +183,72 @@ def test_controller_crash_loses_no_request_and_resumes_from_checkpoint(server, c
     assert after.decisions >= before.decisions  # resumed, not reset
     assert after.deployment(MODEL).step_time_model.samples >= before.deployment(MODEL).step_time_model.samples
     assert len(after.replicas) == 1
+
+
+@pytest.mark.last
+def test_killed_engine_fails_in_flight_requests_cleanly_and_serve_replaces_the_replica(server, client):
+    """SIGKILL of the vLLM engine-core process under load (4 streams, 4 plain requests):
+    plain requests get HTTP 503 with Retry-After, streams end with an error event then
+    [DONE], all within seconds; Serve's health check replaces the replica, whose engine then
+    serves; the controller drops the old replica and hears from the new one; no process of
+    the dead engine is left."""
+    set_controller(client, "resume")
+    (old,) = replica_status(client)
+    engine = [p for p in session_processes(server.proc.pid) if p.name() == "VLLM::EngineCore"]
+    assert len(engine) == 1, engine
+    dead_engine = [engine[0], *engine[0].children(recursive=True)]  # its worker too
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+    first_chunks = threading.Barrier(5)
+
+    def stream(_):
+        events = []
+        with httpx.stream("POST", f"{URL}/v1/completions", json={**body, "stream": True}, timeout=120) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: "):])
+                    if len(events) == 1:
+                        first_chunks.wait(timeout=120)
+        return events, time.monotonic()
+
+    def plain(_):
+        resp = httpx.post(f"{URL}/v1/completions", json=body, timeout=120)
+        return resp, time.monotonic()
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        streams = [pool.submit(stream, i) for i in range(4)]
+        plains = [pool.submit(plain, i) for i in range(4)]
+        first_chunks.wait(timeout=120)  # every stream under way
+        killed_at = time.monotonic()
+        engine[0].send_signal(signal.SIGKILL)
+        stream_results = [f.result() for f in streams]
+        plain_results = [f.result() for f in plains]
+    for events, _ in stream_results:
+        assert events[-1] == "[DONE]" and "error" in json.loads(events[-2]), events[-3:]
+    for resp, _ in plain_results:
+        assert resp.status_code == 503 and int(resp.headers["retry-after"]) > 0, resp.text
+        assert resp.json()["error"]["type"] == "ServiceUnavailableError", resp.text
+    ended_s = max(t for _, t in stream_results + plain_results) - killed_at
+    assert ended_s < 30, ended_s
+
+    def replaced():
+        try:
+            reports = replica_status(client)
+        except AssertionError:  # 503 while no replica can serve
+            return None
+        return reports if reports and reports[0]["replica_id"] != old["replica_id"] else None
+
+    (new,) = wait_until(replaced, "Serve replacing the replica whose engine died", 600, interval_s=2)
+    served_s = time.monotonic() - killed_at
+    assert complete(client, "Hello", max_tokens=4)["choices"][0]["text"] is not None
+    view = wait_until(lambda: (v := ControllerView.model_validate(client.get("/admin/controller").json())) and
+                      [r.replica_id for r in v.replicas] == [new["replica_id"]] and v,
+                      "the controller dropping the old replica and hearing from the new one", 60)
+    assert old["replica_id"] in [d.replica_id for d in view.dropped]
+    left = [p for p in dead_engine if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, left
+    print(f"\n[engine killed] in-flight requests ended {ended_s:.1f} s after the kill (4 x 503, 4 streams with an "
+          f"error event); a new replica served {served_s:.0f} s after it; controller dropped "
+          f"{old['replica_id']}, hears from {new['replica_id']}")
 
 
 @pytest.mark.last
