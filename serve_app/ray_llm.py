@@ -39,8 +39,7 @@ from ray.llm._internal.serve.core.configs.openai_api_models import (
 # The route table of OpenAiIngress, so adaspec's ingress keeps the OpenAI routes as they are,
 # and the FastAPI app it builds (its middleware: errors, request ids, metrics), so adaspec can
 # add handlers to it; make_fastapi_ingress builds that app itself unless given one.
-from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS
-from ray.llm._internal.serve.core.ingress.ingress import init as new_ingress_app
+from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS, init as new_ingress_app
 # Serve's power-of-two-choices router, the fallback of serve_app/router.py's router (subclassed,
 # not rewritten); ray.serve.request_router exports the base class and its mixins, not it.
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
