@@ -36,15 +36,14 @@ WARMUP_S = 60.0
 WATCHED = ("ray::ServeReplica", "ray::ControllerActor", "VLLM::EngineCore", "VLLM::Worker")
 
 
-def watched_processes() -> dict[str, psutil.Process]:
-    """Name (with pid) -> process, for every watched process on this machine."""
+def watched_processes() -> dict[int, tuple[str, psutil.Process]]:
+    """pid -> (name, process) for every watched process on this machine. A Ray worker's
+    title changes with the method it runs, so the name is cut at the actor's own name."""
     found = {}
     for p in psutil.process_iter(["name", "cmdline"]):
-        label = p.info["name"] or ""
-        cmd = " ".join(p.info["cmdline"] or [])
-        for prefix in WATCHED:
-            if label.startswith(prefix) or cmd.startswith(prefix):
-                found[f"{(cmd or label).split()[0][:60]} ({p.pid})"] = p
+        title = " ".join(p.info["cmdline"] or []) or p.info["name"] or ""
+        if title.startswith(WATCHED):
+            found[p.pid] = (title.split()[0].split(".")[0][:60], p)
     return found
 
 
@@ -56,12 +55,14 @@ class Sampler(threading.Thread):
         self.url, self.token = url, token
         self.stop = threading.Event()
         self.samples: list[dict] = []
+        self.names: dict[int, str] = {}
         self.start_time = time.monotonic()
 
     def run(self) -> None:
         while not self.stop.is_set():
             rss = {}
-            for name, p in watched_processes().items():
+            for pid, (name, p) in watched_processes().items():
+                name = self.names.setdefault(pid, f"{name} ({pid})")  # the name first seen
                 try:
                     rss[name] = p.memory_info().rss / 2**20
                 except psutil.Error:
