@@ -74,10 +74,15 @@ def not_ready_reason(running: dict[str, int]) -> str | None:
     return f"no replica of {', '.join(waiting)} can serve yet: its engine is starting (or being replaced)"
 
 
+def _error(code: int, message: str, kind: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    """An HTTP error with OpenAI's body: {"error": {"message", "type", "code", ...}}."""
+    error = ErrorResponse(error=ErrorInfo(message=message, type=kind, code=code))
+    return JSONResponse(error.model_dump(), status_code=code, headers=headers)
+
+
 def _unavailable(message: str) -> JSONResponse:
-    error = ErrorResponse(error=ErrorInfo(message=message, type="ServiceUnavailableError", code=503))
-    return JSONResponse(error.model_dump(), status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
-                        headers={"Retry-After": str(RETRY_AFTER_S)})
+    return _error(status.HTTP_503_SERVICE_UNAVAILABLE, message, "ServiceUnavailableError",
+                  {"Retry-After": str(RETRY_AFTER_S)})
 
 
 def _stream_error(message: str) -> str:
@@ -110,14 +115,11 @@ async def _refuse_unservable_body(request: Request, call_next):
     if request.method == "POST":
         raw = await request.body()  # Starlette replays it to the route
         if request.url.path.startswith("/admin/") and len(raw) > MAX_ADMIN_BODY_BYTES:
-            error = ErrorResponse(error=ErrorInfo(
-                message=f"admin request bodies are limited to {MAX_ADMIN_BODY_BYTES} bytes; this one has {len(raw)}",
-                type="RequestTooLargeError", code=413))
-            return JSONResponse(error.model_dump(), status_code=status.HTTP_413_REQUEST_ENTITY_TOO_LARGE)
+            return _error(status.HTTP_413_REQUEST_ENTITY_TOO_LARGE, f"admin request bodies are limited to "
+                          f"{MAX_ADMIN_BODY_BYTES} bytes; this one has {len(raw)}", "RequestTooLargeError")
         problem = body_problem(raw, _ROUTE_MODELS.get(request.url.path))
         if problem is not None:
-            error = ErrorResponse(error=ErrorInfo(message=problem, type="BadRequestError", code=400))
-            return JSONResponse(error.model_dump(), status_code=status.HTTP_400_BAD_REQUEST)
+            return _error(status.HTTP_400_BAD_REQUEST, problem, "BadRequestError")
     return await call_next(request)
 
 
@@ -134,9 +136,8 @@ async def _openai_http_error(request: Request, exc: StarletteHTTPException) -> J
     message = str(exc.detail)
     if message == _UNPARSABLE_BODY:
         message = "the request body is not JSON this server can read: not UTF-8, or nested too deeply"
-    kind = _ERROR_TYPES.get(exc.status_code, "InvalidRequestError")
-    error = ErrorResponse(error=ErrorInfo(message=message, type=kind, code=exc.status_code))
-    return JSONResponse(error.model_dump(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+    return _error(exc.status_code, message, _ERROR_TYPES.get(exc.status_code, "InvalidRequestError"),
+                  getattr(exc, "headers", None))
 
 
 def ingress_app() -> FastAPI:
