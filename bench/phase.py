@@ -94,8 +94,8 @@ def run_phase_change(sweep, trace: str) -> dict:
     for policy in interleaved(sweep.policies, 1):
         settings = BenchSettings(url=sweep.url, dataset="+".join(sorted({s.dataset for s in segments})),
                                  rate=len(prompts) / end, num_prompts=len(prompts), max_tokens=sweep.s.max_tokens,
-                                 seed=sweep.s.seed, slo_ttft_s=sweep.s.slo_ttft_s, slo_tpot_s=sweep.s.slo_tpot_s,
-                                 label=f"phase-{policy.name}")
+                                 seed=sweep.s.seed, request_mix=sweep.s.request_mix, slo_ttft_s=sweep.s.slo_ttft_s,
+                                 slo_tpot_s=sweep.s.slo_tpot_s, label=f"phase-{policy.name}")
         apply_policy(sweep.url, policy, sweep.start_table)
         result = asyncio.run(bench_prompts(settings, prompts, offsets, sweep.model, progress=False))
         requests = [RequestResult(**r) for r in result.requests]

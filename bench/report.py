@@ -22,6 +22,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from bench.client import RequestMix  # noqa: E402
 from bench.policies import ADAPTIVE  # noqa: E402
 
 ORACLE_GOAL = 0.97
@@ -216,8 +217,10 @@ def write_report(out: Path) -> Path:
                   "over every policy): " + "; ".join(f"`{b}`" for b in mach["busy_processes"])]
     if mach.get("busy_processes_at_end"):
         lines += ["", "Busy at the end: " + "; ".join(f"`{b}`" for b in mach["busy_processes_at_end"])]
-    lines += ["", f"Workload: {s['num_prompts']} test-split prompts per run, {s['max_tokens']} output tokens each "
-              f"(greedy, ignore_eos), Poisson arrivals (burstiness {s['burstiness']:g}), seed {s['seed']}; "
+    # Sweeps from before `request_mix` existed ran every request greedy with ignore_eos.
+    mix = RequestMix.model_validate(s.get("request_mix") or RequestMix.synthetic().model_dump())
+    lines += ["", f"Workload: {s['num_prompts']} test-split prompts per run; requests: {mix.describe(s['max_tokens'])}; "
+              f"Poisson arrivals (burstiness {s['burstiness']:g}), seed {s['seed']}; "
               f"every policy sees the same prompts at the same times, on one running deployment, in an "
               f"interleaved order. Cells: mean TPOT (ms) / p99 TPOT (ms) / output tokens/s.", ""]
     lines += ["Policies: " + "; ".join(f"`{p}` = `{t}`" if t else f"`{p}` = the controller"

@@ -33,7 +33,7 @@ from pydantic import BaseModel, Field
 from serve_app import admin_client
 from bench import machine
 from bench.serve_process import ServeProcess
-from bench.client import arrival_times
+from bench.client import RequestMix, arrival_times
 from adaspec.datasets import load_prompts
 from bench.harness import BenchResult, BenchSettings, bench_prompts
 from bench.policies import NamedPolicy, interleaved
@@ -46,6 +46,7 @@ class SweepSettings(BaseModel):
     datasets: list[str]
     num_prompts: int
     max_tokens: int = 64
+    request_mix: RequestMix = Field(default_factory=RequestMix)
     seed: int = 0
     burstiness: float = 1.0
     slo_ttft_s: float = 2.0
@@ -132,7 +133,8 @@ class Sweep:
     def bench(self, dataset: str, rate: float, policy: NamedPolicy, prompts=None, offsets=None) -> BenchResult:
         settings = BenchSettings(url=self.url, dataset=dataset, rate=rate, num_prompts=self.s.num_prompts,
                                  burstiness=self.s.burstiness, max_tokens=self.s.max_tokens, seed=self.s.seed,
-                                 slo_ttft_s=self.s.slo_ttft_s, slo_tpot_s=self.s.slo_tpot_s, label=policy.name)
+                                 request_mix=self.s.request_mix, slo_ttft_s=self.s.slo_ttft_s,
+                                 slo_tpot_s=self.s.slo_tpot_s, label=policy.name)
         if prompts is None:
             prompts = load_prompts(dataset, self.s.num_prompts, self.s.seed, split="test")
             offsets = arrival_times(rate, len(prompts), self.s.seed, self.s.burstiness)

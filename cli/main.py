@@ -17,7 +17,7 @@
                               reports the step-time model's held-out error
   policy set --url URL --table "1-2:chain4,3-8:chain2,9+:off"   push a policy to every replica
   policy show --url URL       the policy in force on every replica
-  bench --url URL --dataset sharegpt|humaneval --rate R --num-prompts N   load-test any
+  bench --url URL --dataset sharegpt|humaneval|codeedit|mixed --rate R --num-prompts N   load-test any
                               OpenAI-compatible endpoint: TTFT, TPOT, ITL, E2E, throughput,
                               goodput, and the replicas' acceptance and k (bench/harness.py)
   sweep --config CONFIG --policies off,chain2,adaptive --rates 0.5,1,inf --dataset sharegpt
@@ -39,6 +39,7 @@ from pathlib import Path
 
 from serve_app import admin_client
 from distill import DistillError
+from adaspec.datasets import DATASETS
 from adaspec.models import BUNDLED_DRAFTS, EMBEDDED_MODELS, ModelError, prepare_model
 from adaspec.policy import PolicyError, SpecPolicy
 from cli.serve_config import ConfigError
@@ -318,6 +319,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     _check_dataset(args.dataset, args.num_prompts, args.seed)
     settings = BenchSettings(url=args.url, dataset=args.dataset, rate=args.rate, num_prompts=args.num_prompts,
                              burstiness=args.burstiness, max_tokens=args.max_tokens, seed=args.seed,
+                             request_mix=_request_mix(args),
                              slo_ttft_s=args.slo_ttft_ms / 1000, slo_tpot_s=args.slo_tpot_ms / 1000)
     try:
         result = run_bench(settings, progress=not args.json, token=args.token)
@@ -334,7 +336,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    from adaspec.datasets import DATASETS
     from bench.policies import resolve
     from bench.report import write_report
     from bench.sweep import Sweep, SweepSettings
@@ -360,6 +361,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
             raise UsageError(f"--phase-trace: {e}") from None
     settings = SweepSettings(config=args.config, policies=[p.name for p in policies], rates=rates,
                              datasets=datasets, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
+                             request_mix=_request_mix(args),
                              seed=args.seed, burstiness=args.burstiness, slo_ttft_s=args.slo_ttft_ms / 1000,
                              slo_tpot_s=args.slo_tpot_ms / 1000, profile=args.profile,
                              phase_trace=args.phase_trace,
@@ -384,10 +386,32 @@ def _add_url(p: argparse.ArgumentParser) -> None:
 
 def _add_workload(p: argparse.ArgumentParser) -> None:
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of inter-arrival times (1: Poisson)")
-    p.add_argument("--max-tokens", type=int, default=128, help="output tokens per request (ignore_eos)")
+    p.add_argument("--max-tokens", type=int, default=128,
+                   help="cap on output tokens per request (each also stops at EOS and at its dataset's reply length)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="every request at this temperature (default: a realistic mix, --greedy-share greedy, "
+                        "the rest T=0.7 top_p 0.9)")
+    p.add_argument("--top-p", type=float, default=0.9, help="top_p of sampled requests when --temperature is set")
+    p.add_argument("--greedy-share", type=float, default=0.5, help="share of greedy requests in the realistic mix")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="synthetic: every request runs to exactly --max-tokens (reports say so)")
     p.add_argument("--seed", type=int, default=0, help="prompt order and arrival times")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput's TTFT SLO")
     p.add_argument("--slo-tpot-ms", type=float, default=250.0, help="goodput's TPOT SLO")
+
+
+def _request_mix(args: argparse.Namespace):
+    """The workload flags as a RequestMix; a bad value is a usage error naming its flag."""
+    from bench.client import RequestMix
+
+    if args.temperature is not None and args.temperature < 0:
+        raise UsageError(f"--temperature: must be >= 0, got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        raise UsageError(f"--top-p: must be in (0, 1], got {args.top_p}")
+    if not 0 <= args.greedy_share <= 1:
+        raise UsageError(f"--greedy-share: must be in [0, 1], got {args.greedy_share}")
+    return RequestMix(temperature=args.temperature, top_p=args.top_p, greedy_share=args.greedy_share,
+                      ignore_eos=args.ignore_eos)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -504,7 +528,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="load-test an OpenAI-compatible endpoint")
     _add_url(p)
-    p.add_argument("--dataset", required=True, choices=["sharegpt", "humaneval"], help="prompts (test split)")
+    p.add_argument("--dataset", required=True, choices=list(DATASETS), help="prompts (test split)")
     p.add_argument("--rate", type=float, required=True, help="requests per second (inf: all at once)")
     p.add_argument("--num-prompts", type=int, required=True, help="requests to send")
     _add_workload(p)
@@ -516,7 +540,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policies", default="off,chain1,chain2,chain4,table:profiled,adaptive",
                    help='off, chainK, table:profiled, table:"1-2:chain4,3+:off", adaptive')
     p.add_argument("--rates", default="0.5,1,2,inf", help="requests per second, comma-separated")
-    p.add_argument("--dataset", default="sharegpt", help="sharegpt, humaneval or both (comma-separated)")
+    p.add_argument("--dataset", default="sharegpt", help=f"comma-separated, of: {', '.join(DATASETS)}")
     p.add_argument("--num-prompts", type=int, default=16, help="prompts per run")
     _add_workload(p)
     p.add_argument("--profile", default="bench/results/profile-cpu/steps.jsonl",

@@ -102,6 +102,55 @@ def test_load_prompts_is_deterministic_and_split():
     assert [p.id for p in load_prompts("humaneval", 3, seed=None)] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
 
 
+def test_code_edit_prompts_carry_their_function_and_split_by_task():
+    edits = load_prompts("codeedit", None, 0, split="test")
+    tasks = {p.source_id for p in edits}
+    assert tasks == {p.id for p in load_prompts("humaneval", None, 0, split="test")}
+    assert len(edits) == 3 * len(tasks)  # every edit of every test task, no train task
+    for p in edits:
+        assert p.chat and p.dataset == "codeedit" and p.id.startswith(p.source_id + "/")
+        assert p.reference_output.strip() in p.text  # the reply mostly copies the prompt
+    train_tasks = {p.source_id for p in load_prompts("codeedit", None, 0, split="train")}
+    assert train_tasks.isdisjoint(tasks)
+
+
+def test_mixed_alternates_chat_and_code_edit():
+    mixed = load_prompts("mixed", 10, seed=1, split="test")
+    assert [p.dataset for p in mixed] == ["sharegpt", "codeedit"] * 5
+    assert [p.id for p in mixed] == [p.id for p in load_prompts("mixed", 10, seed=1, split="test")]
+
+
+def test_request_mix_realistic_by_default_synthetic_only_when_asked():
+    from bench.client import SYNTHETIC, RequestMix
+
+    mix = RequestMix().samplings(40, seed=0)
+    assert sum(s.temperature == 0 for s in mix) == 20 and not any(s.ignore_eos for s in mix)
+    assert "realistic mix: 50% greedy" in RequestMix().describe(64)
+    assert RequestMix(ignore_eos=True, temperature=0).samplings(3, 0) == [SYNTHETIC] * 3
+    assert "SYNTHETIC" in RequestMix.synthetic().describe(64)
+    hot = RequestMix(temperature=1.0, top_p=0.8).samplings(3, 0)
+    assert {(s.temperature, s.top_p, s.ignore_eos) for s in hot} == {(1.0, 0.8, False)}
+    assert RequestMix(temperature=0.0).samplings(1, 0)[0].top_p == 1.0  # top_p means nothing when greedy
+
+
+def test_results_from_before_the_request_mix_read_as_synthetic():
+    from bench.harness import BenchSettings
+
+    old = {"url": "http://x", "dataset": "sharegpt", "rate": 1.0, "num_prompts": 4, "max_tokens": 64, "label": "off"}
+    assert BenchSettings.model_validate(old).request_mix.ignore_eos
+    assert not BenchSettings(url="http://x", dataset="sharegpt", rate=1.0, num_prompts=4).request_mix.ignore_eos
+
+
+def test_reply_caps_come_from_the_datasets_reply_in_model_tokens():
+    from bench.harness import reply_token_caps
+
+    prompts = load_prompts("sharegpt", 20, seed=0, split="test")
+    caps = reply_token_caps(prompts, "smollm2-135m-instruct", 64)
+    assert all(1 <= c <= 64 for c in caps) and len(set(caps)) > 1  # some replies are shorter than the cap
+    estimated = reply_token_caps(prompts, "no-such-model-here", 10_000)
+    assert estimated == [max(1, len(p.reference_output) // 4) for p in prompts]
+
+
 # ---------------------------------------------------------------------------- policies
 def _step(t, batch, config, version=1, drafts=0, accepted=()):
     return StepRecord(time=t, duration_s=0.1 if config == "off" else 0.12, batch_size=batch, num_decode_reqs=batch,
@@ -240,6 +289,9 @@ def test_report_writes_markdown_and_plots_and_states_the_goals(tmp_path):
     (["sweep", "--out", "x", "--dataset", "sharegpt,imagenet"], "--dataset"),
     (["sweep", "--out", "x", "--config", "nope.yaml"], "--config"),
     (["sweep", "--out", "x", "--phase-trace", "sharegpt:1"], "--phase-trace"),
+    (["bench", "--dataset", "codeedit", "--rate", "1", "--num-prompts", "2", "--temperature", "-1"], "--temperature"),
+    (["bench", "--dataset", "mixed", "--rate", "1", "--num-prompts", "2", "--top-p", "0"], "--top-p"),
+    (["sweep", "--out", "x", "--greedy-share", "1.5"], "--greedy-share"),
 ])
 def test_cli_errors_name_the_flag(argv, flag, capsys):
     assert cli_main(argv) == 2
@@ -255,17 +307,25 @@ def test_bench_load_is_replaced():
 # ---------------------------------------------------------------------------- real stack
 @pytest.mark.slow
 def test_adaspec_bench_against_the_server(server, client, tmp_path):
-    """`adaspec bench` as a user runs it: a few streamed chat requests; the JSON counts them,
-    has no errors, and carries the replicas' telemetry."""
+    """`adaspec bench` as a user runs it: a few streamed chat requests, realistic by default
+    (stopping at EOS or the reply length); the JSON counts them, has no errors, and carries
+    the replicas' telemetry. --ignore-eos makes every request run to --max-tokens."""
+    from bench.harness import reply_token_caps
+
     cmd = [sys.executable, "-m", "cli.main", "bench", "--url", server.url, "--dataset", "sharegpt",
            "--rate", "4", "--num-prompts", "4", "--max-tokens", "12", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "TPOT" in proc.stdout and "mean accepted length" in proc.stdout
+    assert "TPOT" in proc.stdout and "mean accepted length" in proc.stdout and "realistic mix" in proc.stdout
     doc = json.loads(next(tmp_path.glob("bench-sharegpt-rate4*.json")).read_text())
     m, t = doc["metrics"], doc["telemetry"]
     assert (m["completed"], m["errors"]) == (4, 0)
-    assert m["total_output_tokens"] == 4 * 12  # ignore_eos: exactly max_tokens each
+    caps = dict(zip([p.id for p in load_prompts("sharegpt", 4, 0, split="test")],
+                    reply_token_caps(load_prompts("sharegpt", 4, 0, split="test"), "smollm2-135m-instruct", 12)))
+    assert all(0 < r["output_tokens"] <= caps[r["prompt_id"]] for r in doc["requests"]), (doc["requests"], caps)
+    synthetic = subprocess.run(cmd[:-2] + ["--ignore-eos", "--json"], capture_output=True, text=True, timeout=300)
+    assert synthetic.returncode == 0, synthetic.stderr[-3000:]
+    assert json.loads(synthetic.stdout)["metrics"]["total_output_tokens"] == 4 * 12  # exactly max_tokens each
     assert m["tpot_s"]["mean"] > 0 and m["ttft_s"]["p99"] >= m["ttft_s"]["p50"] > 0
     assert t["available"] and t["steps"] > 0 and t["mean_k"] is not None and t["timeline"]
     assert "mean_accepted_length" in t and "acceptance_rate" in t
