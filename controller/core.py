@@ -16,6 +16,7 @@ from collections import deque
 
 import numpy as np
 
+from adaspec.models import shipped_profile
 from adaspec.policy import SpecConfig, SpecPolicy
 from adaspec.telemetry import ControllerReply, EngineCapabilities, PolicySpeed, ReplicaTelemetry
 from controller.acceptance import expected_accepted_length
@@ -24,6 +25,7 @@ from controller.config import ControllerConfig
 from controller.policy_search import (
     CostTable, Decision, Objective, bucket_of, candidate_configs, policy_speed, search_policy,
 )
+from controller.safety import safe_config
 from controller.state import Deployment, Replica
 from controller.step_time import FitReport, StepTimeModel
 from controller.view import ControllerView, DroppedReplica, deployment_view, replica_view
@@ -76,8 +78,9 @@ class ControllerCore:
         A replica new here starts from its deployment's acceptance (a warm start)."""
         dep = self.deployments.get(tel.model_id)
         if dep is None:
+            caps = tel.info.capabilities if tel.info else None
             dep = self.deployments[tel.model_id] = Deployment.first_report(
-                tel.model_id, self.config.profile_path, self.config.half_life_s)
+                tel.model_id, self._profile_for(tel.model_id, caps), self.config.half_life_s, caps)
         rep = self.replicas.get(tel.replica_id)
         if rep is None:
             if tel.info is None:
@@ -86,6 +89,13 @@ class ControllerCore:
                 tel, tel.info, now, dep.acceptance.copy(self.config.half_life_s))
         dt = rep.observe(tel, now)
         dep.observe(tel, rep.capabilities, dt, now)
+
+    def _profile_for(self, model_id: str, caps: EngineCapabilities | None) -> str | None:
+        """The configured profile, else the one shipped for this model and engine."""
+        if self.config.profile_path or not self.config.shipped_profile or caps is None:
+            return self.config.profile_path
+        path = shipped_profile(model_id, caps.engine)
+        return str(path) if path else None
 
     # ------------------------------------------------------------------ decisions
     def _costs(self, dep: Deployment, caps: EngineCapabilities, now: float) -> CostTable:
@@ -122,6 +132,7 @@ class ControllerCore:
             objective=self.objective, current=rep.policy_in_force, hysteresis=self.config.hysteresis,
             version=max(time.time_ns() // 1_000_000, rep.policy_in_force.version + 1),
             replica_id=replica_id)
+        decision = self._guard(decision, rep)
         decision = self._explore(decision, rep, dep, now)
         rep.decision = decision
         if rep.first_decision_at is None:
@@ -129,34 +140,64 @@ class ControllerCore:
         self.decisions += 1
         return decision
 
-    def _explore(self, decision: Decision, rep: Replica, dep: Deployment, now: float) -> Decision:
-        """Run another config than the chosen one for one period, in the bucket the replica
-        runs in now, when the models cannot know the answer without trying:
-        - an unmeasured neighbour (k-1, then k+1): the step-time model cannot tell from data
-          how a config never seen at this batch would do (a chain3 step at batch 48 says
-          nothing about the cost of `off` there);
-        - chain1 every `probe_every_s` while the bucket is off: with no drafts the
-          acceptance model learns nothing, and the workload may have changed."""
+    def _guard(self, decision: Decision, rep: Replica) -> Decision:
+        """The safety rule (controller.safety): in the bucket the replica runs in now, `off`
+        replaces a speculative config that was measured slower per token than `off` there."""
         if rep.batch is None:
             return decision
-        caps = rep.capabilities
-        lo, hi = bucket_of(max(int(round(rep.batch)), 1), caps.max_batch_size)
+        lo, hi = bucket_of(max(int(round(rep.batch)), 1), rep.capabilities.max_batch_size)
         chosen = decision.policy.config_for(lo)
-        if not chosen.is_chain:
+        safe = safe_config(chosen, lo, rep.measured, rep.last_seen, self.config.safety_margin)
+        if safe == chosen:
             return decision
+        rep.safety_overrides += 1
+        policy = decision.policy.with_configs(lo, hi, safe)
+        return decision.model_copy(update={"policy": policy, "changed": not policy.same_rules(rep.policy_in_force)})
+
+    def _explore(self, decision: Decision, rep: Replica, dep: Deployment, now: float) -> Decision:
+        """Run another config than the chosen one for one period, in the bucket the replica
+        runs in now, when the models (or the safety rule) cannot know the answer without
+        trying."""
         trial = None
-        for k in (chosen.depth - 1, chosen.depth + 1):
-            if 0 <= k <= caps.max_k and dep.seen.get((lo, SpecConfig.chain(k)), 0) < EXPLORE_STEPS:
-                trial = SpecConfig.chain(k)
-                break
-        if trial is None and chosen.is_off and caps.max_k >= 1 and now - rep.last_probe >= self.config.probe_every_s:
-            trial = SpecConfig.chain(1)
+        if rep.batch is not None:
+            lo, hi = bucket_of(max(int(round(rep.batch)), 1), rep.capabilities.max_batch_size)
+            trial = self._trial(decision.policy.config_for(lo), lo, rep, dep, now)
+        rep.exploring = trial is not None
         if trial is None:
             return decision
-        if trial.depth and chosen.is_off:
+        if trial.is_off:
+            rep.last_off_check = now
+        elif decision.policy.config_for(lo).is_off:
             rep.last_probe = now
         policy = decision.policy.with_configs(lo, hi, trial)
         return decision.model_copy(update={"policy": policy, "changed": not policy.same_rules(rep.policy_in_force)})
+
+    def _trial(self, chosen: SpecConfig, lo: int, rep: Replica, dep: Deployment, now: float) -> SpecConfig | None:
+        """The config to try in bucket `lo` instead of `chosen`, if any:
+        - an unmeasured neighbour (k-1, then k+1): the step-time model cannot tell from data
+          how a config never seen at this batch would do (a chain3 step at batch 48 says
+          nothing about the cost of `off` there). Once per deployment, bucket and config, so
+          bounded in total (a shipped profile has measured most of them);
+        Recurring trials, only while trials are under `max_exploration_share` of the
+        replica's recent steps:
+        - `off`, every `safety_recheck_s` while the bucket speculates and `off` has no recent
+          measurement there: the safety rule compares against it;
+        - chain1 every `probe_every_s` while the bucket is off: with no drafts the
+          acceptance model learns nothing, and the workload may have changed."""
+        caps = rep.capabilities
+        if not chosen.is_chain:
+            return None
+        for k in (chosen.depth - 1, chosen.depth + 1):
+            if 0 <= k <= caps.max_k and dep.seen.get((lo, SpecConfig.chain(k)), 0) < EXPLORE_STEPS:
+                return SpecConfig.chain(k)
+        if not rep.budget.allows_trial(self.config.max_exploration_share):
+            return None
+        if (not chosen.is_off and now - rep.last_off_check >= self.config.safety_recheck_s
+                and not rep.measured.measured_recently(lo, SpecConfig.off(), rep.last_seen)):
+            return SpecConfig.off()
+        if chosen.is_off and caps.max_k >= 1 and now - rep.last_probe >= self.config.probe_every_s:
+            return SpecConfig.chain(1)
+        return None
 
     # ------------------------------------------------------------------ upkeep
     def refit_jobs(self) -> dict[str, StepTimeModel]:

@@ -33,6 +33,7 @@ from controller.checkpoint import (
 )
 from controller.latency import LatencyFit, fit_request_latency
 from controller.policy_search import CostTable, Decision, bucket_of
+from controller.safety import ExplorationBudget, MeasuredSpeed
 from controller.step_time import StepTimeModel, measured_context_per_seq
 
 LOAD_HALF_LIFE_S = 5.0  # memory of the load estimates (arrival rate, batch, lengths)
@@ -69,6 +70,12 @@ class Replica:
     recent_steps: list[StepRecord] = field(default_factory=list)
     decision: Decision | None = None
     last_probe: float = -1e18
+    last_off_check: float = -1e18  # unix seconds `off` was last run as a trial for the safety rule
+    # Guard rails (controller.safety); short-lived measurements, not checkpointed.
+    measured: MeasuredSpeed = field(default_factory=MeasuredSpeed)
+    budget: ExplorationBudget = field(default_factory=ExplorationBudget)
+    exploring: bool = False  # the policy last decided is an exploration trial
+    safety_overrides: int = 0  # decisions where measured speed overruled the models
 
     @classmethod
     def first_report(cls, tel: ReplicaTelemetry, info: ReplicaInfo, now: float,
@@ -98,6 +105,8 @@ class Replica:
                 info.capabilities, info.node_id, info.node_ip, info.actor_id)
         steps = tel.steps
         self.acceptance.update(steps, now)
+        self.measured.add(steps, self.capabilities.max_batch_size, now)
+        self.budget.add(len(steps), self.exploring, now)
         self.recent_steps = (self.recent_steps + steps)[-VIEW_STEPS:]
         span = max(tel.window_end - tel.window_start, 1e-3)
         self.rate = _ema(self.rate, tel.arrivals / span, dt, LOAD_HALF_LIFE_S)
@@ -151,17 +160,27 @@ class Deployment:
     requests: dict[SpecConfig, deque[RequestRecord]] = field(default_factory=dict)  # config -> recent finished
 
     @classmethod
-    def first_report(cls, model_id: str, profile_path: str | None, half_life_s: float) -> Deployment:
+    def first_report(cls, model_id: str, profile_path: str | None, half_life_s: float,
+                     caps: EngineCapabilities | None = None) -> Deployment:
         """A model not seen before; its step-time model starts from the profile's steps of
-        this model, if `profile_path` names a profile that has some. `half_life_s`: the
-        pooled acceptance model's."""
-        step_model = StepTimeModel()
+        this model, if `profile_path` names a profile that has some, and those steps count
+        as seen (the (bucket, config) pairs they measured need no exploring; `caps` gives the
+        buckets). `half_life_s`: the pooled acceptance model's."""
+        dep = cls(StepTimeModel(), AcceptanceModel(half_life_s=half_life_s))
         if profile_path:
             try:
-                step_model.add(read_profile(profile_path, model_id)[1])
+                steps = read_profile(profile_path, model_id)[1]
             except ValueError:  # no steps of this model in the profile: start from none
-                pass
-        return cls(step_model, AcceptanceModel(half_life_s=half_life_s))
+                steps = []
+            dep.step_model.add(steps)
+            if caps is not None:
+                dep.count_seen(steps, caps.max_batch_size)
+        return dep
+
+    def count_seen(self, steps: list[StepRecord], max_batch: int) -> None:
+        for s in steps:
+            key = (bucket_of(s.batch_size, max_batch)[0], s.config)
+            self.seen[key] = self.seen.get(key, 0) + 1
 
     def observe(self, tel: ReplicaTelemetry, caps: EngineCapabilities, dt: float, now: float) -> None:
         """Take one replica's report at `now`; `caps`: that replica's engine, `dt`: the
@@ -169,9 +188,7 @@ class Deployment:
         steps = tel.steps
         self.step_model.add(steps)
         self.acceptance.update(steps, now)
-        for s in steps:
-            key = (bucket_of(s.batch_size, caps.max_batch_size)[0], s.config)
-            self.seen[key] = self.seen.get(key, 0) + 1
+        self.count_seen(steps, caps.max_batch_size)
         for r in tel.requests:
             self.requests.setdefault(r.config, deque(maxlen=LATENCY_WINDOW)).append(r)
         proposal = measured_proposal_rate(steps)

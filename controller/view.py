@@ -61,6 +61,9 @@ class ReplicaView(BaseModel):
     predicted_step_s: float | None  # the model's prediction for the same steps
     measured_latency_s: float | None  # mean request latency, recent requests (decayed)
     latency_fits: list[ConfigLatency]  # per config, from the deployment's measured requests
+    exploration_share: float = 0.0  # of its recent steps, the share run under a trial config (decayed)
+    exploring: bool = False  # the policy last decided is a trial
+    safety_overrides: int = 0  # decisions where measured speed put `off` in place of the models' choice
 
 
 class DeploymentView(BaseModel):
@@ -153,4 +156,5 @@ def replica_view(replica_id: str, rep: Replica, dep: Deployment, fits: dict[Spec
         predicted_latency_s=d.predicted_latency_s if d else None,
         measured_step_s=measured, predicted_step_s=predicted,
         measured_latency_s=rep.measured_latency_s,
-        latency_fits=config_latencies(fits, rep.output_tokens or 128.0, rep.rate or 0.0))
+        latency_fits=config_latencies(fits, rep.output_tokens or 128.0, rep.rate or 0.0),
+        exploration_share=round(rep.budget.share, 4), exploring=rep.exploring, safety_overrides=rep.safety_overrides)

@@ -77,7 +77,9 @@ def format_controller(view: ControllerView | None) -> str:
             f"batch {r.mean_batch:.1f}, output {r.output_tokens:.0f} tokens/request",
             f"    acceptance per position: {' '.join(f'{p:.2f}' for p in r.conditional_acceptance)}",
             f"    in force: {r.policy_in_force}   chosen: {r.chosen_policy or '-'} "
-            f"(decision {_fmt(r.decision_ms, unit=' ms')})",
+            f"(decision {_fmt(r.decision_ms, unit=' ms')}{'; a trial' if r.exploring else ''})",
+            f"    exploration {100 * r.exploration_share:.1f}% of recent steps; safety rule put off in place "
+            f"{r.safety_overrides} times",
             f"    step time measured {_fmt(r.measured_step_s, 1000, ' ms')}, "
             f"predicted {_fmt(r.predicted_step_s, 1000, ' ms')}; predicted batch "
             f"{_fmt(r.operating_batch)}, latency {_fmt(r.predicted_latency_s, unit=' s')} "

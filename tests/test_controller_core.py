@@ -306,3 +306,58 @@ def test_an_idle_replica_keeps_its_policy_version():
     newcomer = SimulatedReplica("r1", alpha=0.7).telemetry(t, 1.0, batch=4, arrivals=0)
     first = core.report(newcomer.model_copy(update={"steps": [], "running": 0}), now=t + 1.0)
     assert core.replicas["r1"].decision is not None and first.speed is not None
+
+
+def test_measured_loss_to_off_switches_speculation_off_even_when_the_models_keep_it():
+    """A replica (the simulated stand-in) whose drafts are almost never accepted: chain2 costs
+    more per token than off. A hysteresis no gain can clear keeps the models on chain2; the
+    safety rule measures off now and then, sees chain2 lose by more than 3%, and puts off in
+    place."""
+    core = ControllerCore(ControllerConfig(enabled=True, hysteresis=100.0))
+    replica = SimulatedReplica("r1", alpha=0.02)
+    replica.run(core, 1000.0, periods=150, batch=1, arrivals=1)
+    late = replica.history[-40:]
+    assert sum(p.config_for(1).is_off for p in late) >= 0.8 * len(late), [str(p) for p in late]
+    (r,) = core.view(now=1150.0).replicas
+    assert r.safety_overrides > 0
+
+
+def test_the_safety_rule_keeps_speculation_that_pays():
+    core = ControllerCore(ControllerConfig(enabled=True))
+    replica = SimulatedReplica("r1", alpha=0.8)
+    replica.run(core, 1000.0, periods=150, batch=1, arrivals=1)
+    late = replica.history[-40:]
+    assert sum(p.config_for(1).depth >= 2 for p in late) >= 0.8 * len(late), [str(p) for p in late]
+    (r,) = core.view(now=1150.0).replicas
+    assert r.safety_overrides == 0
+
+
+def test_recurring_exploration_stays_within_its_share_of_steps():
+    """Probing chain1 every 2 s while off would spend a third of the steps; the budget holds
+    trials near 5% of the recent steps, and the view reports the share."""
+    def run(share: float) -> float:
+        core = ControllerCore(ControllerConfig(enabled=True, probe_every_s=2.0, max_exploration_share=share))
+        replica = SimulatedReplica("r1", alpha=0.01)
+        replica.run(core, 1000.0, periods=400, batch=1, arrivals=1)
+        (r,) = core.view(now=1400.0).replicas
+        return r.exploration_share
+
+    bounded, unbounded = run(0.05), run(1.0)
+    assert bounded <= 0.06 and unbounded > 0.2, (bounded, unbounded)
+
+
+def test_the_default_model_starts_from_its_shipped_profile_on_vllm_only():
+    def deployment(engine: str, **config):
+        core = ControllerCore(ControllerConfig(enabled=True, **config))
+        caps = CAPS.model_copy(update={"engine": engine, "max_batch_size": 32})
+        info = INFO.model_copy(update={"capabilities": caps})
+        core.report(ReplicaTelemetry(replica_id="r", model_id="smollm2-135m-instruct", info=info, window_start=0.0,
+                                     window_end=1.0, arrivals=0, finished=0, queue_length=0, running=0,
+                                     policy=SpecPolicy.parse("chain2"), steps=[]), now=1.0)
+        return core.deployments["smollm2-135m-instruct"]
+
+    shipped = deployment("vllm")
+    assert len(shipped.step_model.y) > 3000  # bench/results/profile-cpu/steps.jsonl
+    assert shipped.seen.get((1, SpecConfig.chain(2)), 0) >= 20  # measured there: nothing to explore
+    assert not deployment("native").step_model.y  # measured on vLLM: says nothing of the native engine
+    assert not deployment("vllm", shipped_profile=False).step_model.y

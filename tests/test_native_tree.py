@@ -11,6 +11,7 @@ from adaspec.policy import SpecConfig, full_tree_parents
 from controller.acceptance import ranks_and_depths
 from native_engine.drafters import DraftModelDrafter, NgramDrafter
 from native_engine.model import build_model
+from native_engine.requests import Request, SamplingParams
 from native_engine.stats import AcceptanceCounts
 from native_engine.testing import tiny_args
 from native_engine.tree import (
@@ -185,6 +186,14 @@ def test_ngram_drafter_branches_on_different_matches():
     chain = NgramDrafter(max_n=2, min_n=2).propose([ctx], TreeShape((1, 1, 1)))[0]
     assert chain.tokens == [3, 4, 9]  # the majority branch, continued by its most recent match
     assert NgramDrafter().propose([[1, 2, 3, 4]], TreeShape((1, 1)))[0].tokens == []  # no match
+
+
+def test_ngram_drafter_matches_the_requests_own_output_not_only_its_prompt():
+    # The prompt never repeats; the output has generated "7 8 9" once and now ends in "7 8".
+    request = Request("r", prompt=[1, 2, 3, 4, 5], params=SamplingParams(), arrival=0.0)
+    request.output = [7, 8, 9, 6, 7, 8]
+    tree = NgramDrafter(max_n=2, min_n=2).propose([request.context], TreeShape((1, 1)))[0]
+    assert tree.tokens == [9, 6]
 
 
 # ----------------------------------------------------------------------------------- counting
