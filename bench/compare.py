@@ -19,6 +19,7 @@ import numpy as np
 
 Statistic = Callable[[np.ndarray], float]
 Verdict = Literal["better", "worse", "inconclusive"]
+GoalVerdict = Literal["met", "missed", "inconclusive"]
 
 
 def mean(values: np.ndarray) -> float:
@@ -47,6 +48,15 @@ class RatioInterval:
             return "worse" if lower_is_better else "better"
         return "inconclusive"
 
+    def meets(self, goal: float) -> GoalVerdict:
+        """Against a goal `ratio >= goal`: `met` when the whole interval clears it, `missed`
+        when the whole interval falls short, `inconclusive` when it holds the goal."""
+        if self.low >= goal:
+            return "met"
+        if self.high < goal:
+            return "missed"
+        return "inconclusive"
+
     def __str__(self) -> str:
         return f"{self.ratio:.3f} [{self.low:.3f}, {self.high:.3f}]"
 
@@ -56,18 +66,46 @@ def _pooled_draw(rounds: list[np.ndarray], rng: np.random.Generator) -> np.ndarr
     return np.concatenate([rounds[i][rng.integers(len(rounds[i]), size=len(rounds[i]))] for i in picked])
 
 
+def _rounds(rounds: Sequence[Sequence[float]]) -> list[np.ndarray]:
+    out = [np.asarray(r, dtype=float) for r in rounds if len(r)]
+    if not out:
+        raise ValueError("each variant needs at least one round with values")
+    return out
+
+
+def _interval(ratio: float, draws: np.ndarray, level: float) -> RatioInterval:
+    tail = (1.0 - level) / 2 * 100
+    low, high = np.percentile(draws, [tail, 100 - tail])
+    return RatioInterval(ratio=float(ratio), low=float(low), high=float(high), level=level)
+
+
+def bootstrap_geomean_ratio(pairs: Sequence[tuple[Sequence[Sequence[float]], Sequence[Sequence[float]]]],
+                            statistic: Statistic, resamples: int = 2000, level: float = 0.95,
+                            seed: int = 0) -> RatioInterval:
+    """The geometric mean over points of statistic(a) / statistic(b), each point given as
+    (a's rounds, b's rounds), with a percentile interval: every draw redraws every point's
+    rounds and requests as bootstrap_ratio does."""
+    points = [(_rounds(a), _rounds(b)) for a, b in pairs]
+    if not points:
+        raise ValueError("no points")
+
+    def geomean(ratios: list[float]) -> float:
+        return float(np.exp(np.mean(np.log(ratios))))
+
+    ratio = geomean([statistic(np.concatenate(a)) / statistic(np.concatenate(b)) for a, b in points])
+    rng = np.random.default_rng(seed)
+    draws = np.array([geomean([statistic(_pooled_draw(a, rng)) / statistic(_pooled_draw(b, rng)) for a, b in points])
+                      for _ in range(resamples)])
+    return _interval(ratio, draws, level)
+
+
 def bootstrap_ratio(a_rounds: Sequence[Sequence[float]], b_rounds: Sequence[Sequence[float]], statistic: Statistic,
                     resamples: int = 2000, level: float = 0.95, seed: int = 0) -> RatioInterval:
     """statistic(a) / statistic(b) over the pooled values of every round of each variant, with
     a `level` percentile interval from `resamples` two-stage bootstrap draws (module
     docstring). Rounds without values are left out; ValueError if a variant has none."""
-    a = [np.asarray(r, dtype=float) for r in a_rounds if len(r)]
-    b = [np.asarray(r, dtype=float) for r in b_rounds if len(r)]
-    if not a or not b:
-        raise ValueError("each variant needs at least one round with values")
+    a, b = _rounds(a_rounds), _rounds(b_rounds)
     ratio = statistic(np.concatenate(a)) / statistic(np.concatenate(b))
     rng = np.random.default_rng(seed)
     draws = np.array([statistic(_pooled_draw(a, rng)) / statistic(_pooled_draw(b, rng)) for _ in range(resamples)])
-    tail = (1.0 - level) / 2 * 100
-    low, high = np.percentile(draws, [tail, 100 - tail])
-    return RatioInterval(ratio=float(ratio), low=float(low), high=float(high), level=level)
+    return _interval(ratio, draws, level)

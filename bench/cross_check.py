@@ -19,6 +19,7 @@ from pathlib import Path
 
 from adaspec.models import model_folder
 from adaspec.datasets import load_prompts, write_sharegpt_json
+from bench.client import RequestMix
 from bench.policies import NamedPolicy
 
 VLLM_MAIN = ("import argparse, sys; from vllm.benchmarks.serve import add_cli_args, main; "
@@ -46,7 +47,9 @@ def cross_check(sweep, rate: float = float("inf"), policy: str = "off", rounds: 
         cmd = vllm_bench_command(sweep.url, sweep.model, str(model_folder(sweep.model)), data, len(prompts), rate,
                                  sweep.s.max_tokens, sweep.s.seed, Path(tmp))
         for _ in range(rounds):
-            ours.append(sweep.bench("sharegpt", rate, static).metrics.model_dump(mode="json"))
+            # vLLM's client runs greedy with ignore_eos: ours too, whatever the sweep's requests.
+            ours.append(sweep.bench("sharegpt", rate, static, request_mix=RequestMix.synthetic())[0]
+                        .metrics.model_dump(mode="json"))
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
             if proc.returncode != 0:
                 return {"error": f"vllm bench serve exited {proc.returncode}: {proc.stderr[-2000:]}", "adaspec": ours}

@@ -101,6 +101,7 @@ def run_phase_change(sweep, trace: str) -> dict:
         requests = [RequestResult(**r) for r in result.requests]
         run = {"policy": policy.name, "metrics": result.metrics.model_dump(mode="json"),
                "segment_tpot_s": segment_tpot(requests, starts, end),
+               "tpots_s": [t for r in requests if r.ok and (t := tpot_s(r)) is not None],
                "telemetry": {"mean_k": result.telemetry.mean_k,
                              "mean_accepted_length": result.telemetry.mean_accepted_length,
                              "acceptance_rate": result.telemetry.acceptance_rate,

@@ -1,7 +1,12 @@
 """report.md and the plots of a sweep, from its results.json (bench/sweep.py).
 
 Verdicts compare mean TPOT (seconds per output token after the first; lower is better) and
-are stated as speed ratios, reference TPOT / adaptive TPOT, so >1 means adaptive is faster:
+are stated as speed ratios, reference TPOT / adaptive TPOT, so >1 means adaptive is faster.
+A sweep run in 2+ rounds gets them with 95% bootstrap intervals and calls each goal met,
+missed or inconclusive (bench/verdicts.py: the oracle picked on held-out rounds, adaptive
+against off at every point, against every static policy on the geometric mean; on the
+phase-change trace against the best single static policy, goal >= 1.2). Every sweep also
+gets the verdicts on the means alone (the only ones for single-round sweeps):
 - vs the oracle: at each (dataset, rate), the best non-adaptive policy there. Goal >= 0.97.
 - vs the best single static policy: the non-adaptive policy with the lowest geometric mean
   of mean TPOT over the whole sweep (every dataset and rate). Goal: adaptive's geometric
@@ -23,9 +28,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from bench.client import RequestMix  # noqa: E402
+from bench.compare import bootstrap_ratio, mean  # noqa: E402
 from bench.policies import ADAPTIVE  # noqa: E402
+from bench.verdicts import sweep_verdicts  # noqa: E402
 
 ORACLE_GOAL = 0.97
+PHASE_GOAL = 1.2  # adaptive over the best single static policy on the phase-change trace
 
 
 def rate_label(rate: float) -> str:
@@ -33,11 +41,34 @@ def rate_label(rate: float) -> str:
 
 
 def cells(doc: dict) -> dict[tuple[str, float], dict[str, dict]]:
-    """(dataset, rate) -> policy -> metrics."""
-    out: dict[tuple[str, float], dict[str, dict]] = {}
+    """(dataset, rate) -> policy -> metrics; a cell run in several rounds gets the mean over
+    its rounds of mean TPOT, p99 TPOT and output tokens/s."""
+    runs: dict[tuple[str, float], dict[str, list[dict]]] = {}
     for run in doc["runs"]:
-        out.setdefault((run["dataset"], float(run["rate"])), {})[run["policy"]] = run["result"]["metrics"]
-    return out
+        runs.setdefault((run["dataset"], float(run["rate"])), {}).setdefault(run["policy"], []).append(
+            run["result"]["metrics"])
+    return {k: {p: _mean_of_rounds(ms) for p, ms in row.items()} for k, row in runs.items()}
+
+
+def _mean_of_rounds(metrics: list[dict]) -> dict:
+    def avg(values: list) -> float | None:
+        values = [v for v in values if v is not None]
+        return sum(values) / len(values) if values else None
+
+    return {**metrics[0], "output_throughput": avg([m["output_throughput"] for m in metrics]),
+            "tpot_s": {"mean": avg([m["tpot_s"]["mean"] for m in metrics]),
+                       "p99": avg([m["tpot_s"]["p99"] for m in metrics])}}
+
+
+def round_tpots(doc: dict) -> dict[tuple[str, float], dict[str, list[list[float]]]]:
+    """(dataset, rate) -> policy -> per round, the TPOT (s) of each request; empty for
+    sweeps written before per-request TPOTs were kept."""
+    out: dict[tuple[str, float], dict[str, dict[int, list[float]]]] = {}
+    for run in doc["runs"]:
+        if "tpots_s" in run:
+            out.setdefault((run["dataset"], float(run["rate"])), {}).setdefault(run["policy"], {})[
+                run.get("round", 0)] = run["tpots_s"]
+    return {k: {p: [rounds[i] for i in sorted(rounds)] for p, rounds in row.items()} for k, row in out.items()}
 
 
 def geomean(values: list[float]) -> float:
@@ -229,7 +260,13 @@ def write_report(out: Path) -> Path:
         lines.append(f"- {note}")
     for dataset in sorted({r["dataset"] for r in doc["runs"]}):
         lines += ["", f"## {dataset}", ""] + results_table(doc, dataset)
-    lines += ["", "## Verdicts", "",
+    tpots = round_tpots(doc)
+    with_rounds = any(len(r) >= 2 for row in tpots.values() for r in row.values())
+    interval_verdicts = sweep_verdicts(tpots) if with_rounds else None
+    if interval_verdicts:
+        lines += interval_section(interval_verdicts)
+        (out / "verdicts-intervals.json").write_text(json.dumps(interval_verdicts, indent=1))
+    lines += ["", "## Verdicts" + (" on the means alone (no intervals; context)" if with_rounds else ""), "",
               "Speed ratios (reference mean TPOT / adaptive mean TPOT; >1: adaptive faster). "
               f"Best single static policy over the whole sweep: `{v['best_static']}`. The oracle at a point "
               "is the smallest of several noisy measurements, so it is biased in its own favour (winner's "
@@ -263,6 +300,51 @@ def write_report(out: Path) -> Path:
     return path
 
 
+def _verdict(v: dict) -> str:
+    return f"{v['ratio']:.3f} [{v['low']:.3f}, {v['high']:.3f}] **{v['verdict']}**"
+
+
+def interval_section(v: dict) -> list[str]:
+    """The verdicts with their 95% bootstrap intervals (bench/verdicts.py)."""
+    lines = ["", "## Verdicts with 95% intervals", "",
+             "Speed ratios: reference mean TPOT / adaptive mean TPOT (>1: adaptive faster), with a 95% "
+             "two-stage bootstrap interval (rounds, then requests). A goal is met when the whole interval "
+             "clears it, missed when the whole interval falls short, inconclusive otherwise. The oracle "
+             "at a point is the static policy fastest on the selection rounds; it is scored against "
+             "adaptive on the other rounds only.", "",
+             "| dataset | rate | oracle (chosen on rounds) | adaptive / oracle (scored on rounds), goal >= 0.97 "
+             "| adaptive / off, goal >= 0.97 |", "|---|---|---|---|---|"]
+    for p in v["points"]:
+        rounds = lambda r: ",".join(str(i + 1) for i in r)  # noqa: E731
+        lines.append(f"| {p['dataset']} | {rate_label(p['rate'])} | {p['oracle']} ({rounds(p['selection_rounds'])}) "
+                     f"| {_verdict(p['vs_oracle'])} ({rounds(p['scoring_rounds'])}) "
+                     f"| {_verdict(p['vs_off']) if 'vs_off' in p else '-'} |")
+    lines += ["", "Adaptive against each static policy, geometric mean over the points, every round "
+              "(goal > 1):", "", "| static policy | static / adaptive |", "|---|---|"]
+    lines += [f"| {name} | {_verdict(x)} |" for name, x in v["vs_static_geomean"].items()]
+    g = v["goals"]
+    lines += ["", "Goals:", f"- adaptive >= 0.97x the oracle at every point: **{g['oracle_every_point']}**",
+              f"- nowhere more than 3% slower than off: **{g['off_every_point']}**",
+              f"- adaptive better than every static policy (geometric mean): **{g['beats_every_static']}**"]
+    return lines
+
+
+def phase_goal(phase: dict, resamples: int = 2000) -> dict | None:
+    """Adaptive against the best single static policy on the trace (lowest mean TPOT),
+    over the trace's requests (one run each: the interval carries no drift between runs).
+    Goal >= 1.2."""
+    runs = phase["runs"]
+    if ADAPTIVE not in runs or "tpots_s" not in runs[ADAPTIVE]:
+        return None
+    statics = {p: r["tpots_s"] for p, r in runs.items() if p != ADAPTIVE and r.get("tpots_s")}
+    if not statics or not runs[ADAPTIVE]["tpots_s"]:
+        return None
+    best = min(statics, key=lambda p: sum(statics[p]) / len(statics[p]))
+    interval = bootstrap_ratio([statics[best]], [runs[ADAPTIVE]["tpots_s"]], mean, resamples=resamples)
+    return {"best_static": best, "ratio": interval.ratio, "low": interval.low, "high": interval.high,
+            "goal": PHASE_GOAL, "verdict": interval.meets(PHASE_GOAL)}
+
+
 def phase_section(phase: dict | None) -> list[str]:
     if not phase:
         return []
@@ -273,6 +355,11 @@ def phase_section(phase: dict | None) -> list[str]:
              "|---" * (len(segs) + 1) + "|"]
     for name, run in phase["runs"].items():
         lines.append(f"| {name} | " + " | ".join(_ms(t) for t in run["segment_tpot_s"]) + " |")
+    goal = phase_goal(phase)
+    if goal:
+        lines += ["", f"Adaptive against the best single static policy on the whole trace (`{goal['best_static']}`), "
+                  f"speed ratio with a 95% interval over the trace's requests: {_verdict(goal)} "
+                  f"(goal >= {PHASE_GOAL})."]
     adaptive = phase["runs"].get(ADAPTIVE)
     if adaptive:
         lines += ["", "Controller settle time after each change (segment start to its last policy change; "

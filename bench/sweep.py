@@ -1,16 +1,17 @@
 """`adaspec sweep`: every policy at every rate against one running deployment.
 
-    adaspec sweep --config configs/app.yaml --policies off,chain1,chain2,chain4,table:profiled,adaptive \\
-        --rates 0.5,1,2,inf --dataset sharegpt,humaneval --num-prompts 16 --max-tokens 64 --out DIR
+    adaspec sweep --config configs/app.yaml --policies off,chain1,chain2,chain3,chain4,table:profiled,adaptive \\
+        --rates 0.5,inf --dataset sharegpt,codeedit --num-prompts 32 --rounds 3 --max-tokens 64 --out DIR
 
 1. The deployment starts once (`serve run` on a copy of CONFIG, saved as DIR/app-config.yaml:
    speculation.max_k raised to the deepest chain asked for, the controller enabled and, with
    --profile, seeded with the same profile table:profiled is built from; a fresh controller
    checkpoint folder, so no earlier run's models leak in).
-2. For each rate, each dataset, each policy in an interleaved order (bench/policies.py):
-   static policies are pushed through POST /admin/policy with the controller paused;
-   `adaptive` resets the replicas to the config's start policy and resumes the controller.
-   Every policy sees the same prompts and the same arrival times.
+2. Round after round; in each, for each rate and dataset, each policy in an interleaved
+   order (bench/policies.py): static policies are pushed through POST /admin/policy with the
+   controller paused; `adaptive` resets the replicas to the config's start policy and
+   resumes the controller. In a round every policy sees the same prompts, arrival times and
+   sampling (realistic by default, bench/client.RequestMix); each round draws new ones.
 3. Optionally the phase-change trace (bench/phase.py) and the cross-check against vLLM's
    own benchmark client (bench/cross_check.py), on the same engine.
 4. DIR/results.json after every run (a partial sweep is still readable), then
@@ -33,7 +34,8 @@ from pydantic import BaseModel, Field
 from serve_app import admin_client
 from bench import machine
 from bench.serve_process import ServeProcess
-from bench.client import RequestMix, arrival_times
+from bench.client import RequestMix, RequestResult, arrival_times
+from bench.metrics import tpot_s
 from adaspec.datasets import load_prompts
 from bench.harness import BenchResult, BenchSettings, bench_prompts
 from bench.policies import NamedPolicy, interleaved
@@ -45,6 +47,7 @@ class SweepSettings(BaseModel):
     rates: list[float]
     datasets: list[str]
     num_prompts: int
+    rounds: int = Field(default=1, ge=1, description="interleaved rounds of every cell (new prompts each round)")
     max_tokens: int = 64
     request_mix: RequestMix = Field(default_factory=RequestMix)
     seed: int = 0
@@ -63,6 +66,8 @@ class SweepRun(BaseModel):
     policy: str
     table: str | None
     order: int = Field(description="position in the sweep (0 = first run)")
+    round: int = 0
+    tpots_s: list[float] = Field(default_factory=list, description="TPOT of each request with 2+ tokens (seconds)")
     result: BenchResult
 
 
@@ -130,20 +135,25 @@ class Sweep:
         tmp.write_text(json.dumps(self.doc, indent=1))
         tmp.replace(self.out / "results.json")
 
-    def bench(self, dataset: str, rate: float, policy: NamedPolicy, prompts=None, offsets=None) -> BenchResult:
+    def bench(self, dataset: str, rate: float, policy: NamedPolicy, round_index: int = 0,
+              request_mix: RequestMix | None = None) -> tuple[BenchResult, list[float]]:
+        """One cell of one round: (its result, the TPOT of each request). Round r draws its
+        prompts, arrival times and sampling with seed + r: every policy of a round sees the same.
+        `request_mix`: the sweep's unless given."""
+        seed = self.s.seed + round_index
         settings = BenchSettings(url=self.url, dataset=dataset, rate=rate, num_prompts=self.s.num_prompts,
-                                 burstiness=self.s.burstiness, max_tokens=self.s.max_tokens, seed=self.s.seed,
-                                 request_mix=self.s.request_mix, slo_ttft_s=self.s.slo_ttft_s,
+                                 burstiness=self.s.burstiness, max_tokens=self.s.max_tokens, seed=seed,
+                                 request_mix=request_mix or self.s.request_mix, slo_ttft_s=self.s.slo_ttft_s,
                                  slo_tpot_s=self.s.slo_tpot_s, label=policy.name)
-        if prompts is None:
-            prompts = load_prompts(dataset, self.s.num_prompts, self.s.seed, split="test")
-            offsets = arrival_times(rate, len(prompts), self.s.seed, self.s.burstiness)
+        prompts = load_prompts(dataset, self.s.num_prompts, seed, split="test")
+        offsets = arrival_times(rate, len(prompts), seed, self.s.burstiness)
         apply_policy(self.url, policy, self.start_table)
         result = asyncio.run(bench_prompts(settings, prompts, offsets, self.model, progress=sys.stderr.isatty()))
+        tpots = [t for r in result.requests if not r["error"] and (t := tpot_s(RequestResult(**r))) is not None]
         result.requests = []  # per-request rows stay out of the committed file
         if not policy.adaptive:
             result.telemetry.timeline = []
-        return result
+        return result, tpots
 
     def warm_up(self) -> None:
         """A few requests per dataset under the deepest static policy: compile paths, caches."""
@@ -159,22 +169,26 @@ class Sweep:
                 asyncio.run(bench_prompts(settings, prompts, [0.0] * 4, self.model, progress=False))
 
     def run_grid(self) -> None:
+        """Round after round, each over every (rate, dataset) cell, the policies of a cell in
+        an order rotated from cell to cell and round to round (bench/policies.interleaved)."""
         order = 0
-        total = len(self.s.rates) * len(self.s.datasets) * len(self.policies)
-        for r_i, rate in enumerate(self.s.rates):
-            for d_i, dataset in enumerate(self.s.datasets):
-                for policy in interleaved(self.policies, r_i * len(self.s.datasets) + d_i):
+        cells = [(rate, dataset) for rate in self.s.rates for dataset in self.s.datasets]
+        total = self.s.rounds * len(cells) * len(self.policies)
+        for round_index in range(self.s.rounds):
+            for c_i, (rate, dataset) in enumerate(cells):
+                for policy in interleaved(self.policies, round_index * len(cells) + c_i):
                     t0 = time.monotonic()
-                    result = self.bench(dataset, rate, policy)
+                    result, tpots = self.bench(dataset, rate, policy, round_index)
                     self.doc["runs"].append(SweepRun(dataset=dataset, rate=rate, policy=policy.name,
-                                                     table=policy.table, order=order,
-                                                     result=result).model_dump(mode="json"))
+                                                     table=policy.table, order=order, round=round_index,
+                                                     tpots_s=tpots, result=result).model_dump(mode="json"))
                     order += 1
                     self.save()
                     m = result.metrics
                     tpot = "-" if m.tpot_s.mean is None else f"{1000 * m.tpot_s.mean:.0f} ms"
-                    self.log(f"[{order}/{total}] {dataset} rate {rate:g} {policy.name}: mean TPOT {tpot}, "
-                             f"{m.output_throughput:.1f} tok/s, errors {m.errors} ({time.monotonic() - t0:.0f} s)")
+                    self.log(f"[{order}/{total}] round {round_index + 1} {dataset} rate {rate:g} {policy.name}: "
+                             f"mean TPOT {tpot}, {m.output_throughput:.1f} tok/s, errors {m.errors} "
+                             f"({time.monotonic() - t0:.0f} s)")
 
     def run(self) -> dict:
         max_k = max([p.max_depth for p in self.policies] + [1])

@@ -345,6 +345,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     rates = _rate_list(args.rates, "--rates")
     datasets = _name_list(args.dataset, "--dataset", DATASETS)
     _positive(args.num_prompts, "--num-prompts")
+    _positive(args.rounds, "--rounds")
     _positive(args.max_tokens, "--max-tokens")
     try:
         policies = resolve(_policy_list(args.policies), Path(args.profile) if args.profile else None)
@@ -360,7 +361,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise UsageError(f"--phase-trace: {e}") from None
     settings = SweepSettings(config=args.config, policies=[p.name for p in policies], rates=rates,
-                             datasets=datasets, num_prompts=args.num_prompts, max_tokens=args.max_tokens,
+                             datasets=datasets, num_prompts=args.num_prompts, rounds=args.rounds,
+                             max_tokens=args.max_tokens,
                              request_mix=_request_mix(args),
                              seed=args.seed, burstiness=args.burstiness, slo_ttft_s=args.slo_ttft_ms / 1000,
                              slo_tpot_s=args.slo_tpot_ms / 1000, profile=args.profile,
@@ -537,11 +539,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("sweep", help="every policy at every rate on one deployment")
     p.add_argument("--config", default="configs/app.yaml", help="Ray Serve config to start (a copy is used)")
-    p.add_argument("--policies", default="off,chain1,chain2,chain4,table:profiled,adaptive",
+    p.add_argument("--policies", default="off,chain1,chain2,chain3,chain4,table:profiled,adaptive",
                    help='off, chainK, table:profiled, table:"1-2:chain4,3+:off", adaptive')
     p.add_argument("--rates", default="0.5,1,2,inf", help="requests per second, comma-separated")
     p.add_argument("--dataset", default="sharegpt", help=f"comma-separated, of: {', '.join(DATASETS)}")
-    p.add_argument("--num-prompts", type=int, default=16, help="prompts per run")
+    p.add_argument("--num-prompts", type=int, default=32, help="prompts per run")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="interleaved rounds of every cell (new prompts each); with 2+ the report gives 95%% "
+                        "intervals and picks the oracle on held-out rounds")
     _add_workload(p)
     p.add_argument("--profile", default="bench/results/profile-cpu/steps.jsonl",
                    help="`adaspec profile` steps for table:profiled (and the controller's start model)")

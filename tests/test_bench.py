@@ -10,6 +10,7 @@ import statistics
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from cli.main import main as cli_main
@@ -277,6 +278,42 @@ def test_report_writes_markdown_and_plots_and_states_the_goals(tmp_path):
     assert "| sharegpt 1/s | 1 | 2.0 |" in report
     assert "ratio **0.950** (within 10%)" in report
     assert "CPU steal 2%" in report
+
+
+def test_report_of_a_sweep_in_rounds_gives_intervals_and_held_out_oracle(tmp_path):
+    rng = np.random.default_rng(0)
+    center = {"off": 0.10, "chain2": 0.08, "adaptive": 0.08}
+    runs = []
+    for rnd in range(3):
+        for d in ("sharegpt", "codeedit"):
+            for p in ("off", "chain2", "adaptive"):
+                run = _run(d, 1.0, p, center[p], len(runs))
+                run.update(round=rnd, tpots_s=list(rng.normal(center[p], 0.01, 40)))
+                runs.append(run)
+    phase = {"trace": "sharegpt:1:10,codeedit:1:10", "requests": 40,
+             "segments": [{"dataset": "sharegpt", "rate": 1.0, "duration_s": 10.0},
+                          {"dataset": "codeedit", "rate": 1.0, "duration_s": 10.0}],
+             "segment_starts_s": [0.0, 10.0],
+             "runs": {p: {"segment_tpot_s": [c, c], "tpots_s": list(rng.normal(c, 0.01, 40))}
+                      for p, c in (("off", 0.10), ("chain2", 0.09), ("adaptive", 0.06))}}
+    phase["runs"]["adaptive"].update(timeline=[{"t": 0.0, "steps": 3, "mean_batch": 1.0, "mean_k": 2.0}],
+                                     settle=[{"changes": 0, "settle_s": 0.0, "segment_s": 10.0, "configs": []}] * 2)
+    doc = {"command": "adaspec sweep --rounds 3 ...",
+           "settings": {"num_prompts": 40, "max_tokens": 64, "burstiness": 1.0, "seed": 0,
+                        "request_mix": {"temperature": None, "top_p": 0.9, "greedy_share": 0.5, "ignore_eos": False}},
+           "policies": {"off": "1+:off", "chain2": "1+:chain2", "adaptive": None},
+           "machine": {"cpu": "x", "cores": 2, "memory_gib": 24, "platform": "linux", "loadavg_1_5_15": [1, 1, 1],
+                       "date_utc": "now"},
+           "runs": runs, "phase_change": phase, "notes": []}
+    (tmp_path / "results.json").write_text(json.dumps(doc))
+    report = write_report(tmp_path).read_text()
+    assert "## Verdicts with 95% intervals" in report and "realistic mix: 50% greedy" in report
+    assert "| sharegpt | 1 | chain2 (1) |" in report  # the oracle chosen on round 1, scored on 2 and 3
+    assert "adaptive better than every static policy (geometric mean): **inconclusive**" in report  # ties chain2
+    assert "nowhere more than 3% slower than off: **met**" in report
+    assert "(`off`)" not in report and "(`chain2`), speed ratio" in report and "**met** (goal >= 1.2)" in report
+    v = json.loads((tmp_path / "verdicts-intervals.json").read_text())
+    assert v["vs_static_geomean"]["off"]["verdict"] == "met"
 
 
 # ---------------------------------------------------------------------------- CLI

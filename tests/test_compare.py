@@ -80,3 +80,42 @@ def test_routing_benchmark_summary_and_report(tmp_path):
     text = (tmp_path / "table.md").read_text()
     assert "| e2e_mean_s |" in text and "better" in text and "0.95" in text
     assert (tmp_path / "routing.png").stat().st_size > 0 and (tmp_path / "routing.json").is_file()
+
+
+# ---------------------------------------------------------------------------- sweep verdicts
+def test_goal_verdicts_can_say_met_missed_and_inconclusive():
+    assert RatioInterval(1.0, 0.98, 1.02, 0.95).meets(0.97) == "met"
+    assert RatioInterval(0.9, 0.85, 0.96, 0.95).meets(0.97) == "missed"
+    assert RatioInterval(0.97, 0.93, 1.01, 0.95).meets(0.97) == "inconclusive"
+
+
+def test_geomean_ratio_over_points():
+    from bench.compare import bootstrap_geomean_ratio
+
+    pairs = [(rounds(1.0, 3, 40, seed=1), rounds(0.5, 3, 40, seed=2)),  # a twice b's
+             (rounds(1.0, 3, 40, seed=3), rounds(2.0, 3, 40, seed=4))]  # a half b's
+    g = bootstrap_geomean_ratio(pairs, mean, resamples=300)
+    assert g.ratio == pytest.approx(1.0, rel=0.05) and g.low < 1.0 < g.high
+
+
+def test_sweep_verdicts_pick_the_oracle_on_held_out_rounds_and_call_each_goal():
+    from bench.verdicts import split_rounds, sweep_verdicts
+
+    assert split_rounds(3) == ([0], [1, 2]) and split_rounds(4) == ([0, 1], [2, 3])
+    with pytest.raises(ValueError):
+        split_rounds(1)
+    # chain2 is 20% faster than off everywhere; adaptive matches chain2 at one point and is
+    # as slow as off at the other.
+    tpots = {("sharegpt", 1.0): {"off": rounds(1.0, 3, 40, seed=1), "chain2": rounds(0.8, 3, 40, seed=2),
+                                 "adaptive": rounds(0.8, 3, 40, seed=3)},
+             ("codeedit", 1.0): {"off": rounds(1.0, 3, 40, seed=4), "chain2": rounds(0.8, 3, 40, seed=5),
+                                 "adaptive": rounds(1.0, 3, 40, seed=6)}}
+    v = sweep_verdicts(tpots, resamples=300)
+    by_point = {p["dataset"]: p for p in v["points"]}
+    assert all(p["oracle"] == "chain2" and p["selection_rounds"] == [0] for p in v["points"])
+    assert by_point["sharegpt"]["vs_oracle"]["verdict"] in ("met", "inconclusive")
+    assert by_point["codeedit"]["vs_oracle"]["verdict"] == "missed"  # 0.8x the oracle
+    assert by_point["sharegpt"]["vs_off"]["verdict"] == "met"  # 1.25x off
+    assert v["goals"]["oracle_every_point"] == "missed"
+    assert set(v["vs_static_geomean"]) == {"off", "chain2"}
+    assert v["vs_static_geomean"]["off"]["ratio"] > 1.05
