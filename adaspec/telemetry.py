@@ -105,6 +105,8 @@ class EngineCapabilities(BaseModel):
     max_k: int = Field(description="deepest speculation the engine was started for (tokens)")
     supports_trees: bool
     draft_method: str = Field(description="ngram | draft_model | ...")
+    max_tree_nodes: int | None = Field(default=None, ge=1, description="most draft nodes per sequence per step "
+                                                                      "the engine holds (trees); None: not said")
 
 
 class ReplicaInfo(BaseModel):

@@ -14,6 +14,7 @@ control period (`CostTable`); a replica's decision is then a few numpy operation
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -24,11 +25,17 @@ from pydantic import BaseModel, ConfigDict
 
 from adaspec.policy import SpecConfig, SpecPolicy
 from adaspec.telemetry import PolicySpeed, SpeedBucket
+from controller.acceptance import best_tree, ranks_and_depths
 from controller.latency import OperatingPoint, operating_point, request_latency
 from controller.step_time import StepTimeModel, decode_features, monotone_table
 
+# Trees tried before the deployment has measured any acceptance (cold start, the simulator).
 TREE_SHAPES = [(2,), (2, 1), (2, 2), (3, 1), (3, 1, 1), (2, 2, 1), (4, 2, 1), (2, 2, 1, 1),
                (3, 2, 1, 1), (4, 2, 2, 1), (2, 2, 2, 2), (4, 2, 1, 1, 1, 1)]
+# Draft nodes per sequence the tree search may spend; each gives one candidate shape.
+TREE_BUDGETS = (2, 3, 4, 6, 8, 12, 16, 24, 32)
+MAX_TREE_RANK = 4  # sibling ranks the tree search considers
+DEFAULT_MAX_TREE_NODES = 32  # when the engine does not say how many it holds
 
 
 class BucketChoice(BaseModel):
@@ -77,9 +84,48 @@ def bucket_of(batch: int, max_batch: int) -> tuple[int, int]:
     return buckets[-1]
 
 
-def candidate_configs(max_k: int, supports_trees: bool) -> list[SpecConfig]:
+def tree_envelope(parents: list[int]) -> SpecConfig:
+    """The smallest tree of the policy language (one width per depth) that holds the tree
+    `parents`: at each depth, the most children any node there has."""
+    ranks, depths = ranks_and_depths(parents)
+    widths = [0] * max(depths, default=0)
+    for rank, depth in zip(ranks, depths):
+        widths[depth - 1] = max(widths[depth - 1], rank + 1)
+    return SpecConfig.tree(widths)
+
+
+def live_tree_configs(q: np.ndarray, max_k: int, max_nodes: int) -> list[SpecConfig]:
+    """Tree candidates from measured acceptance (marginal rates per depth and sibling rank):
+    for each budget of TREE_BUDGETS, the best tree of that many nodes (Sequoia's dynamic
+    program, controller.acceptance.best_tree), widened to the policy language's shape; kept
+    when it branches and has at most `max_nodes` nodes. Rates are rounded to 0.05: noise
+    below that neither reruns the search nor changes the shapes."""
+    rounded = np.round(np.asarray(q, dtype=float)[:max_k, :MAX_TREE_RANK] * 20) / 20
+    return list(_live_tree_configs(rounded.tobytes(), rounded.shape, max_k, max_nodes))
+
+
+@functools.lru_cache(maxsize=256)
+def _live_tree_configs(q_bytes: bytes, shape: tuple[int, int], max_k: int, max_nodes: int) -> tuple[SpecConfig, ...]:
+    q = np.frombuffer(q_bytes).reshape(shape)
+    out: list[SpecConfig] = []
+    for budget in TREE_BUDGETS:
+        if budget > max_nodes:
+            break
+        config = tree_envelope(best_tree(q, budget, max_k)[1])
+        if not config.is_chain and config.num_nodes <= max_nodes and config not in out:
+            out.append(config)
+    return tuple(out)
+
+
+def candidate_configs(max_k: int, supports_trees: bool, q: np.ndarray | None = None,
+                      max_tree_nodes: int | None = None) -> list[SpecConfig]:
+    """off, every chain up to max_k and, for an engine that runs trees, the trees worth
+    pricing: chosen from the deployment's measured acceptance `q` (live_tree_configs), or the
+    fixed TREE_SHAPES before any was measured."""
     configs = [SpecConfig.off()] + [SpecConfig.chain(k) for k in range(1, max_k + 1)]
-    if supports_trees:
+    if supports_trees and q is not None:
+        configs += live_tree_configs(q, max_k, max_tree_nodes or DEFAULT_MAX_TREE_NODES)
+    elif supports_trees:
         configs += [SpecConfig.tree(w) for w in TREE_SHAPES if len(w) <= max_k]
     return configs
 

@@ -154,6 +154,8 @@ class Deployment:
     proposal_rate: float | None = None  # share of decoding sequences that get a draft
     costs: CostTable | None = None
     costs_built_at: float = -1e18
+    candidates: list[SpecConfig] | None = None  # configs to price (controller.core._candidates)
+    candidates_at: float = -1e18
     model_version: int = 0
     costs_version: int = -1
     samples_at_fit: int = 0

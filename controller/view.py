@@ -140,7 +140,9 @@ def replica_view(replica_id: str, rep: Replica, dep: Deployment, fits: dict[Spec
         predicted = float(np.mean(dep.step_model.predict([step_features(s) for s in rep.recent_steps])))
     d = rep.decision
     rates = rep.acceptance.conditional_rates()[: rep.capabilities.max_k, 0]
-    configs = candidate_configs(rep.capabilities.max_k, rep.capabilities.supports_trees)
+    # What the controller priced for this deployment (trees follow its measured acceptance).
+    configs = dep.costs.configs if dep.costs else candidate_configs(rep.capabilities.max_k,
+                                                                    rep.capabilities.supports_trees)
     return ReplicaView(
         replica_id=replica_id, model_id=rep.model_id, node_id=rep.node_id, node_ip=rep.node_ip,
         seconds_since_report=now - rep.last_seen,

@@ -147,7 +147,8 @@ class NativeEngine:
     def capabilities(self) -> EngineCapabilities:
         return EngineCapabilities(engine="native", max_batch_size=self.config.max_batch_size,
                                   max_k=self.max_depth, supports_trees=True,
-                                  draft_method=self.drafter.name if self.drafter else "none")
+                                  draft_method=self.drafter.name if self.drafter else "none",
+                                  max_tree_nodes=self.config.max_tree_nodes)
 
     @property
     def max_depth(self) -> int:

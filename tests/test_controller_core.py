@@ -361,3 +361,33 @@ def test_the_default_model_starts_from_its_shipped_profile_on_vllm_only():
     assert shipped.seen.get((1, SpecConfig.chain(2)), 0) >= 20  # measured there: nothing to explore
     assert not deployment("native").step_model.y  # measured on vLLM: says nothing of the native engine
     assert not deployment("vllm", shipped_profile=False).step_model.y
+
+
+def test_a_tree_engine_gets_trees_from_its_measured_acceptance_not_a_fixed_list():
+    """A native (tree) replica, simulated: its steps ran tree2x1, and the drafter's second
+    guess at depth 1 was accepted often. The trees the controller prices are the ones the
+    dynamic program builds from those counts."""
+    from controller.policy_search import TREE_SHAPES, live_tree_configs
+
+    caps = EngineCapabilities(engine="native", max_batch_size=16, max_k=4, supports_trees=True, draft_method="ngram",
+                              max_tree_nodes=64)
+    info = INFO.model_copy(update={"capabilities": caps})
+    core = ControllerCore(ControllerConfig(enabled=True, refit_every_s=1.0))  # trees re-chosen every report
+    tree = SpecConfig.parse("tree2x1")
+    for i in range(20):
+        steps = [StepRecord(time=1000.0 + i + j / 10, duration_s=0.05, batch_size=10, num_decode_reqs=10,
+                            scheduled_tokens=50, prefill_tokens=0, context_tokens=3000, config=tree,
+                            policy_version=1, num_drafts=10, drafted_per_pos=[10, 9], accepted_per_pos=[9, 6],
+                            reached_per_depth_rank=[[10, 7], [9, 0]], accepted_per_depth_rank=[[3, 6], [6, 0]])
+                 for j in range(10)]
+        core.report(ReplicaTelemetry(replica_id="n1", model_id="m", info=info, window_start=1000.0 + i,
+                                     window_end=1001.0 + i, arrivals=1, finished=1, queue_length=0, running=10,
+                                     policy=SpecPolicy.parse("tree2x1"), steps=steps), now=1001.0 + i)
+    dep = core.deployments["m"]
+    built = live_tree_configs(dep.acceptance.marginal_rates(), 4, 64)
+    assert built and {c.widths for c in built} != {w for w in TREE_SHAPES if len(w) <= 4}
+    assert all(c.widths[0] >= 2 for c in built)
+    # Priced: those, and the tree the replica runs now (so that hysteresis can keep it).
+    assert [c for c in dep.costs.configs if not c.is_chain] == built + ([tree] if tree not in built else [])
+    (view,) = core.view(now=1021.0).replicas
+    assert set(view.expected_length) == {str(c) for c in dep.costs.configs}

@@ -194,3 +194,28 @@ def test_break_even_rate_with_a_base_fit_without_fixed_cost():
     assert break_even_rate(flat, LatencyCoefficients(c1_s=0.0, c2_s=0.4)) == math.inf
     # The usual case is unchanged: C1r = 0.5, (1 - 0.5) / (0.3 - 0.5 * 0.2) = 2.5 req/s.
     assert break_even_rate(LatencyCoefficients(2.0, 0.2), LatencyCoefficients(1.0, 0.3)) == pytest.approx(2.5)
+
+
+# ---------------------------------------------------------------------------- trees chosen live
+def test_tree_envelope_is_the_smallest_uniform_shape_holding_the_tree():
+    from controller.policy_search import tree_envelope
+
+    # root children 0, 1; node 0 has children 2, 3; node 2 has child 4
+    assert str(tree_envelope([-1, -1, 0, 0, 2])) == "tree2x2x1"
+    assert str(tree_envelope([-1, 0, 1])) == "chain3"
+
+
+def test_tree_candidates_follow_measured_acceptance_per_rank():
+    from controller.acceptance import marginal_from_conditional
+    from controller.policy_search import candidate_configs, live_tree_configs
+
+    p = np.full((16, 8), 0.02)
+    p[:, 0] = 0.8  # the drafter's first guess is nearly always the one: chains, no branching
+    assert live_tree_configs(marginal_from_conditional(p), 4, 64) == []
+    p[0, 1:3] = 0.6  # its second and third guesses at depth 1 often right: branch there
+    trees = live_tree_configs(marginal_from_conditional(p), 4, 64)
+    assert trees and all(t.widths[0] >= 2 and all(w == 1 for w in t.widths[1:]) for t in trees), trees
+    assert all(t.num_nodes <= 8 for t in live_tree_configs(marginal_from_conditional(p), 4, 8))
+    configs = candidate_configs(4, True, marginal_from_conditional(p), 64)
+    assert [c for c in configs if not c.is_chain] == trees
+    assert candidate_configs(4, False, marginal_from_conditional(p)) == [c for c in configs if c.is_chain]

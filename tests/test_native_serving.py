@@ -20,7 +20,8 @@ import httpx
 import openai
 import pytest
 
-from adaspec.policy import SpecPolicy
+from adaspec.policy import SpecConfig, SpecPolicy
+from controller.policy_search import TREE_SHAPES
 from native_engine.requests import SamplingParams
 from tests.conftest import MODEL, app_in_own_cluster, replica_status, set_controller, wait_until
 
@@ -236,6 +237,18 @@ def test_tree_policy_applied_and_steps_count_tree_acceptance(client):
         accepted = sum(sum(row) for s in steps for row in s["accepted_per_depth_rank"])
         assert reached > 0 and accepted > 0, (reached, accepted)
         assert all(len(s["reached_per_depth_rank"]) == 3 for s in steps if s["num_decode_reqs"])
+
+        # The trees the controller prices come from the acceptance per (depth, rank) it has
+        # measured (the dynamic program), not from the fixed list of its cold start.
+        fixed = {str(SpecConfig.tree(w)) for w in TREE_SHAPES if len(w) <= 4}
+
+        def priced_trees() -> set[str]:
+            view = client.get("/admin/controller").json()
+            mine = [r for r in view["replicas"] if r["replica_id"] == replica["replica_id"]]
+            return {c for c in mine[0]["expected_length"] if c.startswith("tree")} if mine else set()
+
+        wait_until(lambda: priced_trees() and priced_trees() != fixed, "the controller pricing trees built from "
+                   "measured acceptance", timeout_s=30)
     finally:
         set_controller(client, "resume")
 
