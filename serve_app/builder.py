@@ -40,7 +40,7 @@ def speculative_config(cfg: AppConfig) -> dict[str, Any]:
     if spec.method == "ngram":
         out["prompt_lookup_min"] = spec.prompt_lookup_min
         out["prompt_lookup_max"] = spec.prompt_lookup_max
-    else:
+    elif spec.method == "draft_model":
         out["model"] = resolve_model(spec.draft_model)
     return out
 
@@ -192,6 +192,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     """Ray Serve application builder; `args` is the `args:` block of the Serve config."""
     cfg = AppConfig.model_validate(args or {})
     cfg.check_engine_kwargs()
+    cfg.check_drafter_installed()
     cfg.resolve_models()
     config = llm_config(cfg)
     bind_kwargs: dict[str, Any] = {"settings": ReplicaSettings(controller=cfg.controller)}

@@ -28,8 +28,9 @@ class _Strict(BaseModel):
 class SpeculationConfig(_Strict):
     """How the engine drafts, and the policy it starts with."""
 
-    method: Literal["ngram", "draft_model"] = Field(
-        default="ngram", description="drafter: n-gram prompt lookup, or a small draft model"
+    method: Literal["ngram", "draft_model", "suffix"] = Field(
+        default="ngram", description="drafter: n-gram prompt lookup, a small draft model, or suffix decoding "
+        "(suffix trees over the prompt and earlier replies; engine vllm; needs scripts/build-suffix-decoding.sh)"
     )
     max_k: int = Field(
         default=4, ge=1, le=16,
@@ -232,6 +233,18 @@ class AppConfig(_Strict):
         if self.engine_kwargs:
             raise ValueError(f"engine_kwargs: vLLM engine arguments; engine native takes none "
                              f"(got {sorted(self.engine_kwargs)})")
+        if self.speculation.method == "suffix":
+            raise ValueError("speculation.method: suffix decoding runs in vLLM (engine: vllm); the native engine "
+                             "drafts with ngram (prompt and output lookup) or a draft_model")
+
+    def check_drafter_installed(self) -> None:
+        """speculation.method suffix needs arctic_inference.suffix_decoding in this Python."""
+        if self.engine == "vllm" and self.speculation.method == "suffix":
+            import importlib.util
+
+            if importlib.util.find_spec("arctic_inference") is None:
+                raise ValueError("speculation.method: suffix needs arctic_inference.suffix_decoding; "
+                                 "run scripts/build-suffix-decoding.sh")
 
     @property
     def model_id(self) -> str:

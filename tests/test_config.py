@@ -270,3 +270,19 @@ def test_build_app_with_autoscaling_and_router():
     config = replicas._bound_deployment._deployment_config
     assert config.autoscaling_config.max_replicas == 2
     assert config.request_router_config.request_router_class == "serve_app.router:SpecAwareRouter"
+
+
+def test_suffix_decoding_is_a_vllm_drafter_that_must_be_built_first(monkeypatch):
+    import importlib.util
+
+    from serve_app.builder import speculative_config
+
+    with pytest.raises(ValidationError, match="speculation.method: suffix decoding runs in vLLM"):
+        AppConfig.model_validate({"engine": "native", "speculation": {"method": "suffix"}})
+    cfg = AppConfig.model_validate({"speculation": {"method": "suffix", "max_k": 4}})
+    spec = speculative_config(cfg)
+    assert spec["method"] == "suffix" and spec["num_speculative_tokens"] == 4
+    assert "prompt_lookup_min" not in spec and "model" not in spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(ValueError, match="speculation.method: suffix needs .*build-suffix-decoding.sh"):
+        cfg.check_drafter_installed()
