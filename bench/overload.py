@@ -24,14 +24,11 @@ import json
 import time
 from pathlib import Path
 
-import httpx
 
-from adaspec.datasets import load_prompts
 from bench import machine
 from bench.client import RequestResult, arrivals_until, realistic_mix, run_load
 from bench.metrics import stat
-from bench.soak import saturation_rate
-from serve_app import admin_client
+from bench.soak import probe_saturation
 
 
 def summarize(results: list[RequestResult], seconds: float, offered_rps: float) -> dict:
@@ -96,11 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     start_machine = machine.describe()
 
-    (model,) = [m["id"] for m in httpx.get(f"{args.url}/v1/models", timeout=30).json()["data"]]
-    replicas = admin_client.status(args.url, token=args.token)
-    max_batch = replicas[0].info.capabilities.max_batch_size if replicas[0].info else 32
-    prompts = load_prompts("sharegpt", None, seed=0, split="test")
-    sat = saturation_rate(args.url, model, prompts, args.max_tokens, 3 * max_batch)
+    probe = probe_saturation(args.url, args.token, args.max_tokens)
+    model, prompts, max_batch, sat = probe.model, probe.prompts, probe.max_batch, probe.rate
     print(f"[overload] saturation {sat:.2f} req/s; loads {loads}, {args.seconds:g} s each", flush=True)
 
     rows = []

@@ -20,6 +20,7 @@ import json
 import statistics
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -84,6 +85,24 @@ def saturation_rate(url: str, model: str, prompts, max_tokens: int, n: int) -> f
     return len(ok) / span
 
 
+@dataclass(frozen=True)
+class Saturation:
+    """What a load benchmark learns of a running server before it starts."""
+
+    model: str
+    prompts: list  # ShareGPT test-split prompts (adaspec.datasets.Prompt), seeded order
+    max_batch: int  # the replica's engine batch (requests)
+    rate: float  # requests/s completed with 3 x max_batch sent at once
+
+
+def probe_saturation(url: str, token: str | None, max_tokens: int) -> Saturation:
+    (model,) = [m["id"] for m in httpx.get(f"{url}/v1/models", timeout=30).json()["data"]]
+    replicas = admin_client.status(url, token=token)
+    max_batch = replicas[0].info.capabilities.max_batch_size if replicas[0].info else 32
+    prompts = load_prompts("sharegpt", None, seed=0, split="test")
+    return Saturation(model, prompts, max_batch, saturation_rate(url, model, prompts, max_tokens, 3 * max_batch))
+
+
 def memory_drift(samples: list[dict]) -> dict[str, dict]:
     """Per process: MiB after warm-up (first sample at or after WARMUP_S), at the end, change in %."""
     warm = next((s for s in samples if s["t_s"] >= WARMUP_S), samples[0])
@@ -129,11 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     start_machine = machine.describe()
 
-    (model,) = [m["id"] for m in httpx.get(f"{args.url}/v1/models", timeout=30).json()["data"]]
-    replicas = admin_client.status(args.url, token=args.token)
-    max_batch = replicas[0].info.capabilities.max_batch_size if replicas[0].info else 32
-    prompts = load_prompts("sharegpt", None, seed=0, split="test")
-    sat = saturation_rate(args.url, model, prompts, args.max_tokens, 3 * max_batch)
+    probe = probe_saturation(args.url, args.token, args.max_tokens)
+    model, prompts, sat = probe.model, probe.prompts, probe.rate
     rate = args.load * sat
     print(f"[soak] saturation {sat:.2f} req/s; soaking at {rate:.2f} req/s ({args.load:.0%}) for {args.minutes} min",
           flush=True)
