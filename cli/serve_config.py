@@ -53,7 +53,6 @@ def check_serve_config(path: str | Path) -> None:
         try:
             cfg = AppConfig.model_validate(app.args or {})
             cfg.check_engine_kwargs()
-            cfg.check_drafter_installed()
             cfg.admin.check_exposure(schema.http_options.host)
         except ValidationError as e:
             raise ConfigError(f"{path}:\n" + _format_validation_error(prefix, e)) from None

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Build suffix decoding (vLLM's `speculation.method: suffix`) into the venv: only the
+# Build suffix decoding (vLLM's `speculative_config.method: suffix`) into the venv: only the
 # `arctic_inference.suffix_decoding` module of arctic-inference 0.3.0, compiled from its sdist.
+# adaspec refuses `speculation.method: suffix` for now: vLLM 0.32's proposer asserts a fixed
+# k per step (docs/field-notes.md); this script is how the module was built for that finding,
+# and what a fix would start from.
 #   VENV=.venv scripts/build-suffix-decoding.sh
 #
 # Why not `pip install arctic-inference`: it ships only as an sdist whose build requires

@@ -192,7 +192,6 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     """Ray Serve application builder; `args` is the `args:` block of the Serve config."""
     cfg = AppConfig.model_validate(args or {})
     cfg.check_engine_kwargs()
-    cfg.check_drafter_installed()
     cfg.resolve_models()
     config = llm_config(cfg)
     bind_kwargs: dict[str, Any] = {"settings": ReplicaSettings(controller=cfg.controller)}

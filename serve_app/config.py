@@ -25,12 +25,21 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+# Measured 2026-12-02 (docs/field-notes.md): with arctic_inference.suffix_decoding built
+# (scripts/build-suffix-decoding.sh), vLLM 0.32's SuffixDecodingProposer.propose asserts that
+# the step's k equals the k it was started with, so the first step under `off` or a shorter
+# chain kills the engine; adaspec's policies change k every step.
+SUFFIX_UNSUPPORTED = ("method: suffix is not supported with vLLM 0.32: its suffix-decoding proposer asserts one "
+                      "fixed k per step, and adaspec's live policies change k (the engine died on the first `off` "
+                      "step); use ngram or draft_model")
+
+
 class SpeculationConfig(_Strict):
     """How the engine drafts, and the policy it starts with."""
 
     method: Literal["ngram", "draft_model", "suffix"] = Field(
-        default="ngram", description="drafter: n-gram prompt lookup, a small draft model, or suffix decoding "
-        "(suffix trees over the prompt and earlier replies; engine vllm; needs scripts/build-suffix-decoding.sh)"
+        default="ngram", description="drafter: n-gram prompt lookup or a small draft model; `suffix` (vLLM's "
+        "suffix decoding) is refused with the reason: vLLM 0.32 cannot vary its k per step"
     )
     max_k: int = Field(
         default=4, ge=1, le=16,
@@ -58,6 +67,8 @@ class SpeculationConfig(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> SpeculationConfig:
+        if self.method == "suffix":
+            raise ValueError(SUFFIX_UNSUPPORTED)
         if (self.method == "draft_model") != (self.draft_model is not None):
             raise ValueError("draft_model must be set exactly when method is 'draft_model'")
         if self.prompt_lookup_min > self.prompt_lookup_max:
@@ -233,18 +244,6 @@ class AppConfig(_Strict):
         if self.engine_kwargs:
             raise ValueError(f"engine_kwargs: vLLM engine arguments; engine native takes none "
                              f"(got {sorted(self.engine_kwargs)})")
-        if self.speculation.method == "suffix":
-            raise ValueError("speculation.method: suffix decoding runs in vLLM (engine: vllm); the native engine "
-                             "drafts with ngram (prompt and output lookup) or a draft_model")
-
-    def check_drafter_installed(self) -> None:
-        """speculation.method suffix needs arctic_inference.suffix_decoding in this Python."""
-        if self.engine == "vllm" and self.speculation.method == "suffix":
-            import importlib.util
-
-            if importlib.util.find_spec("arctic_inference") is None:
-                raise ValueError("speculation.method: suffix needs arctic_inference.suffix_decoding; "
-                                 "run scripts/build-suffix-decoding.sh")
 
     @property
     def model_id(self) -> str:
