@@ -10,6 +10,7 @@ where the target is adaspec, on the replicas (bench/replica_probe.py).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -72,22 +73,28 @@ def served_model(url: str) -> str:
         raise BenchError(f"--url: no OpenAI-compatible server answers GET {url}/v1/models ({e})") from None
 
 
-def reply_token_caps(prompts: list[Prompt], model: str, cap: int) -> list[int]:
-    """Per prompt: its dataset's recorded reply (ShareGPT's answer, HumanEval's solution, the
-    code edit's function) in the served model's tokens, at most `cap` and at least 1. The
-    tokenizer is the embedded model's when `model` names one; otherwise 4 characters make a
-    token (an estimate)."""
-    tokenizer = None
+@functools.lru_cache(maxsize=8)
+def _tokenizer(model: str):
+    """The embedded model's tokenizer when `model` names one here, else None; loaded once
+    per process (a sweep asks for it in every cell)."""
     try:
         folder = Path(resolve_model(model, prepare=False))
         if folder.is_dir():
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(folder)
-    except (ModelError, OSError, ValueError):  # a model this machine does not have: estimate
+            return AutoTokenizer.from_pretrained(folder)
+    except (ModelError, OSError, ValueError):  # a model this machine does not have
         pass
-    if tokenizer is None:
-        logging.getLogger(__name__).info("no tokenizer for %s here: reply lengths estimated at 4 chars/token", model)
+    logging.getLogger(__name__).info("no tokenizer for %s here: reply lengths estimated at 4 chars/token", model)
+    return None
+
+
+def reply_token_caps(prompts: list[Prompt], model: str, cap: int) -> list[int]:
+    """Per prompt: its dataset's recorded reply (ShareGPT's answer, HumanEval's solution, the
+    code edit's function) in the served model's tokens, at most `cap` and at least 1. The
+    tokenizer is the embedded model's when `model` names one; otherwise 4 characters make a
+    token (an estimate)."""
+    tokenizer = _tokenizer(model)
     out = []
     for p in prompts:
         n = len(tokenizer.encode(p.reference_output)) if tokenizer else len(p.reference_output) // 4

@@ -98,23 +98,26 @@ class ControllerCore:
         return str(path) if path else None
 
     # ------------------------------------------------------------------ decisions
-    def _candidates(self, model_id: str, dep: Deployment, caps: EngineCapabilities, now: float) -> list[SpecConfig]:
+    def _candidates(self, dep: Deployment, rep: Replica, now: float) -> list[SpecConfig]:
         """The configs to price: off, the chains and, for a tree engine, the trees built from
-        the deployment's acceptance (re-chosen every refit period, not every report), plus any
-        config a replica of the deployment runs now, so that hysteresis can keep it."""
+        the deployment's acceptance (re-chosen every refit period, not every report), plus the
+        configs the reporting replica runs now, so that hysteresis can keep them (kept until
+        the next re-choice, so every replica's stay priced without a pass over all replicas)."""
+        caps = rep.capabilities
         if dep.candidates is None or now - dep.candidates_at >= self.config.refit_every_s:
             q = dep.acceptance.marginal_rates() if dep.acceptance.observed_drafts() > 0 else None
             dep.candidates = candidate_configs(caps.max_k, caps.supports_trees, q, caps.max_tree_nodes)
             dep.candidates_at = now
-        in_force = {rule.config for r in self.replicas.values() if r.model_id == model_id
-                    for rule in r.policy_in_force.rules}
-        extra = sorted((c for c in in_force if c not in dep.candidates and c.depth <= caps.max_k
-                        and (c.is_chain or caps.supports_trees)), key=str)
-        return dep.candidates + extra
+        for rule in rep.policy_in_force.rules:
+            c = rule.config
+            if c not in dep.candidates and c.depth <= caps.max_k and (c.is_chain or caps.supports_trees):
+                dep.candidates.append(c)
+        return list(dep.candidates)  # a copy: the cost table keeps the list it was built for
 
-    def _costs(self, model_id: str, dep: Deployment, caps: EngineCapabilities, now: float) -> CostTable:
+    def _costs(self, dep: Deployment, rep: Replica, now: float) -> CostTable:
+        caps = rep.capabilities
         stale = now - dep.costs_built_at >= self.config.period_s or dep.costs_version != dep.model_version
-        wanted = self._candidates(model_id, dep, caps, now)
+        wanted = self._candidates(dep, rep, now)
         if dep.costs is None or stale or dep.costs.configs != wanted \
                 or dep.costs.max_batch != caps.max_batch_size:
             dep.costs = CostTable.build(dep.step_model, wanted, caps.max_batch_size,
@@ -126,7 +129,7 @@ class ControllerCore:
     def _models_for(self, rep: Replica, now: float) -> tuple[CostTable, np.ndarray]:
         """The replica's deployment's cost table, and E(c) per config of it: tokens a
         sequence gains per step on this replica."""
-        costs = self._costs(rep.model_id, self.deployments[rep.model_id], rep.capabilities, now)
+        costs = self._costs(self.deployments[rep.model_id], rep, now)
         marginal = rep.acceptance.marginal_rates()
         return costs, np.array([expected_accepted_length(c, marginal) for c in costs.configs])
 

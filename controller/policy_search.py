@@ -14,7 +14,6 @@ control period (`CostTable`); a replica's decision is then a few numpy operation
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from dataclasses import dataclass
@@ -99,14 +98,8 @@ def live_tree_configs(q: np.ndarray, max_k: int, max_nodes: int) -> list[SpecCon
     for each budget of TREE_BUDGETS, the best tree of that many nodes (Sequoia's dynamic
     program, controller.acceptance.best_tree), widened to the policy language's shape; kept
     when it branches and has at most `max_nodes` nodes. Rates are rounded to 0.05: noise
-    below that neither reruns the search nor changes the shapes."""
-    rounded = np.round(np.asarray(q, dtype=float)[:max_k, :MAX_TREE_RANK] * 20) / 20
-    return list(_live_tree_configs(rounded.tobytes(), rounded.shape, max_k, max_nodes))
-
-
-@functools.lru_cache(maxsize=256)
-def _live_tree_configs(q_bytes: bytes, shape: tuple[int, int], max_k: int, max_nodes: int) -> tuple[SpecConfig, ...]:
-    q = np.frombuffer(q_bytes).reshape(shape)
+    below that does not change the shapes."""
+    q = np.round(np.asarray(q, dtype=float)[:max_k, :MAX_TREE_RANK] * 20) / 20
     out: list[SpecConfig] = []
     for budget in TREE_BUDGETS:
         if budget > max_nodes:
@@ -114,7 +107,7 @@ def _live_tree_configs(q_bytes: bytes, shape: tuple[int, int], max_k: int, max_n
         config = tree_envelope(best_tree(q, budget, max_k)[1])
         if not config.is_chain and config.num_nodes <= max_nodes and config not in out:
             out.append(config)
-    return tuple(out)
+    return out
 
 
 def candidate_configs(max_k: int, supports_trees: bool, q: np.ndarray | None = None,
