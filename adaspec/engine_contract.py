@@ -64,7 +64,7 @@ class PolicySlot:
     def validate(self, policy: SpecPolicy) -> None:
         """Raise PolicyError unless this engine can run every config of `policy`."""
         caps = self.capabilities
-        policy.check_engine(caps.max_batch_size, caps.max_k, caps.supports_trees)
+        policy.check_engine(caps.max_batch_size, caps.max_k, caps.supports_trees, caps.supports_budgets)
         if self._check is not None:
             self._check(policy)
 

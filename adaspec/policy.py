@@ -5,6 +5,10 @@ Terms
   widths per depth: `()` is no speculation (`off`), `(1, 1, 1, 1)` is a chain of k=4 draft
   tokens (`chain4`), `(4, 2, 2, 1)` a tree whose root has 4 children, each of those 2, ...
   (`tree4x2x2x1`). A chain is a tree of width 1.
+  Per-request budgets (engines that run them: the native engine): `auto` lets the engine
+  decide at every step how many draft nodes each running sequence gets, keeping the nodes
+  most likely to be accepted across the whole batch, as many as pay for their verify cost;
+  `budget16` does the same with at most 16 nodes per step in all.
 - `SpecPolicy`: a versioned table batch-size range -> SpecConfig covering every batch size
   the engine can run. A replica looks the running batch size up in it at every step.
 
@@ -30,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_valid
 # An open-ended range ends here; larger than any engine's max_num_seqs.
 OPEN_END = 1 << 20
 
-_CONFIG_RE = re.compile(r"^(off|chain(\d+)|tree(\d+(?:x\d+)*))$")
+_CONFIG_RE = re.compile(r"^(off|chain(\d+)|tree(\d+(?:x\d+)*)|budget(\d+)|auto)$")
 
 
 class PolicyError(ValueError):
@@ -38,13 +42,25 @@ class PolicyError(ValueError):
 
 
 class SpecConfig(BaseModel):
-    """How much to speculate in one step: token-tree widths per depth (empty = off)."""
+    """How much to speculate in one step: token-tree widths per depth (empty = off), or
+    per-request budgets (`auto`, `budgetN`), where the engine sizes each sequence's tree."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     widths: tuple[Annotated[int, Field(ge=1)], ...] = Field(
         default=(), description="children per node at each depth; () = off, all 1 = chain"
     )
+    per_request: bool = Field(default=False, description="the engine chooses each sequence's draft nodes per step")
+    max_nodes: int | None = Field(default=None, ge=1,
+                                  description="per-request budgets: most draft nodes per step, whole batch")
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> SpecConfig:
+        if self.per_request and self.widths:
+            raise ValueError("a per-request budget has no fixed widths")
+        if self.max_nodes is not None and not self.per_request:
+            raise ValueError("max_nodes belongs to a per-request budget (per_request=True)")
+        return self
 
     @classmethod
     def off(cls) -> SpecConfig:
@@ -59,6 +75,13 @@ class SpecConfig(BaseModel):
     @classmethod
     def tree(cls, widths: tuple[int, ...] | list[int]) -> SpecConfig:
         return cls(widths=tuple(widths))
+
+    @classmethod
+    def budget(cls, max_nodes: int | None = None) -> SpecConfig:
+        """Per-request budgets: `auto` (None) or `budgetN` (at most N nodes per step)."""
+        if max_nodes is not None and max_nodes < 1:
+            raise PolicyError(f"a node budget must be >= 1, got {max_nodes}")
+        return cls(per_request=True, max_nodes=max_nodes)
 
     @model_validator(mode="wrap")
     @classmethod
@@ -80,7 +103,7 @@ class SpecConfig(BaseModel):
     def _parse_uncached(cls, text: str) -> SpecConfig:
         m = _CONFIG_RE.match(text.strip().lower())
         if m is None:
-            raise PolicyError(f"bad speculation config {text!r}: expected off, chainK or treeAxBx...")
+            raise PolicyError(f"bad speculation config {text!r}: expected off, chainK, treeAxBx..., budgetN or auto")
         if m.group(2) is not None:
             return cls.chain(int(m.group(2)))
         if m.group(3) is not None:
@@ -88,24 +111,30 @@ class SpecConfig(BaseModel):
             if any(w < 1 for w in widths):
                 raise PolicyError(f"bad tree {text!r}: every width must be >= 1")
             return cls.tree(widths)
+        if m.group(4) is not None:
+            return cls.budget(int(m.group(4)))
+        if m.group(1) == "auto":
+            return cls.budget()
         return cls.off()
 
     @property
     def depth(self) -> int:
-        """Draft tokens along the longest path (= draft passes); k for a chain."""
+        """Draft tokens along the longest path (= draft passes); k for a chain; 0 for a
+        per-request budget (its depth varies per sequence and step)."""
         return len(self.widths)
 
     @property
     def is_off(self) -> bool:
-        return not self.widths
+        return not self.widths and not self.per_request
 
     @property
     def is_chain(self) -> bool:
-        return all(w == 1 for w in self.widths)
+        return not self.per_request and all(w == 1 for w in self.widths)
 
     @property
     def num_nodes(self) -> int:
-        """Draft tokens verified per sequence (tree nodes, root excluded)."""
+        """Draft tokens verified per sequence (tree nodes, root excluded); 0 for a
+        per-request budget (they vary per sequence and step)."""
         total, level = 0, 1
         for w in self.widths:
             level *= w
@@ -113,6 +142,8 @@ class SpecConfig(BaseModel):
         return total
 
     def __str__(self) -> str:
+        if self.per_request:
+            return "auto" if self.max_nodes is None else f"budget{self.max_nodes}"
         return _config_text(self.widths)
 
 
@@ -209,7 +240,8 @@ class SpecPolicy(BaseModel):
     def max_depth(self) -> int:
         return max(rule.config.depth for rule in self.rules)
 
-    def check_engine(self, max_batch_size: int, max_k: int, supports_trees: bool) -> None:
+    def check_engine(self, max_batch_size: int, max_k: int, supports_trees: bool,
+                     supports_budgets: bool = False) -> None:
         """Raise PolicyError unless an engine with these capabilities can run this policy."""
         if self.rules[-1].batch_hi < max_batch_size:
             raise PolicyError(
@@ -218,6 +250,11 @@ class SpecPolicy(BaseModel):
             )
         for rule in self.rules:
             cfg = rule.config
+            if cfg.per_request:
+                if not supports_budgets:
+                    raise PolicyError(f"{cfg} is a per-request budget; this engine runs fixed chains or trees "
+                                      "only (per-request budgets need engine: native)")
+                continue
             if not supports_trees and not cfg.is_chain:
                 raise PolicyError(f"{cfg} is a tree; this engine runs chains only")
             if cfg.depth > max_k:

@@ -47,6 +47,11 @@ class StepRecord:
     # its parent accepted and every lower-ranked sibling rejected, and how many accepted it.
     reached_per_depth_rank: list[list[int]] = field(default_factory=list)
     accepted_per_depth_rank: list[list[int]] = field(default_factory=list)
+    # Per decoding sequence (native engine), in the step's order: draft nodes verified and
+    # draft tokens accepted. Under per-request budgets they differ from sequence to sequence.
+    nodes_per_seq: list[int] = field(default_factory=list)
+    accepted_per_seq: list[int] = field(default_factory=list)
+    node_budget: int | None = None  # per-request budgets: draft nodes the engine kept (B); else None
 
 
 @dataclass(slots=True)
@@ -104,6 +109,7 @@ class EngineCapabilities(BaseModel):
     max_batch_size: int = Field(description="largest batch the engine schedules (requests)")
     max_k: int = Field(description="deepest speculation the engine was started for (tokens)")
     supports_trees: bool
+    supports_budgets: bool = Field(default=False, description="runs per-request budgets (auto, budgetN)")
     draft_method: str = Field(description="ngram | draft_model | ...")
     max_tree_nodes: int | None = Field(default=None, ge=1, description="most draft nodes per sequence per step "
                                                                       "the engine holds (trees); None: not said")

@@ -31,6 +31,7 @@ class Drafter(Protocol):
     name: str  # telemetry's draft_method: "ngram" | "draft_model"
     max_depth: int  # deepest tree it can draft (tokens)
     max_expanded_nodes: int  # most nodes it can create for one tree (TreeShape.expanded_nodes)
+    budget_offer: tuple[int, ...]  # widths of the candidate tree it offers under per-request budgets
 
     def propose(self, contexts: list[list[int]], shape: TreeShape) -> list[DraftTree]:
         """contexts[b]: the committed tokens of the sequence in row b, ending with the root."""
@@ -50,6 +51,8 @@ class NgramDrafter:
     max_depth: int = 16
     max_expanded_nodes: int = 1 << 20  # stateless: only the matches it finds bound the tree
     name: str = "ngram"
+    # Matches are cheap and bound the tree themselves: offer deep (a copied line runs long).
+    budget_offer: tuple[int, ...] = (4, 2, 2) + (1,) * 9
 
     def propose(self, contexts: list[list[int]], shape: TreeShape) -> list[DraftTree]:
         return [self._propose_one(ctx, shape) for ctx in contexts]
@@ -63,20 +66,24 @@ class NgramDrafter:
     def continuations(self, ctx: list[int], depth: int) -> list[list[int]]:
         """Token runs that followed earlier occurrences of the longest matching suffix, most
         recent first."""
+        return self.match(ctx, depth)[1]
+
+    def match(self, ctx: list[int], depth: int) -> tuple[int, list[list[int]]]:
+        """(n, runs): the longest suffix length n that occurs earlier, and `continuations`."""
         if depth == 0 or len(ctx) < self.min_n + 1:
-            return []
+            return 0, []
         seq = torch.tensor(ctx, dtype=torch.long)
         for n in range(min(self.max_n, len(ctx) - 1), self.min_n - 1, -1):
             windows = seq[:-1].unfold(0, n, 1)  # [L - n, n]: every n-gram except the suffix itself
             hits = (windows == seq[-n:]).all(dim=1).nonzero().flatten().tolist()
             if hits:
                 starts = [h + n for h in reversed(hits)][: self.max_matches]
-                return [ctx[s: s + depth] for s in starts if s < len(ctx)]
-        return []
+                return n, [ctx[s: s + depth] for s in starts if s < len(ctx)]
+        return 0, []
 
     def _propose_one(self, ctx: list[int], shape: TreeShape) -> DraftTree:
-        runs = self.continuations(ctx, shape.depth)
-        tree = DraftTree()
+        n, runs = self.match(ctx, shape.depth)
+        tree = DraftTree(match_len=n)
         if not runs:
             return tree
         total = len(runs)
@@ -104,6 +111,7 @@ class DraftModelDrafter:
     """Top-w expansion with a small draft model; its cache rows mirror the engine's rows."""
 
     name = "draft_model"
+    budget_offer = (4, 2, 1, 1, 1)  # one draft pass per depth: offer shallower than prompt lookup
 
     def __init__(self, model: Transformer, rows: int, max_len: int, max_depth: int = 8,
                  max_expanded_nodes: int = 128):

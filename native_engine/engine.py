@@ -3,7 +3,9 @@
 One `step()` (how a serving loop drives it):
   schedule  -> reap aborted requests, admit waiting ones into free KV-cache rows
   policy    -> the running batch size picks the SpecConfig (a dense table, O(1))
-  draft     -> the drafter proposes a token tree per decoding sequence
+  draft     -> the drafter proposes a token tree per decoding sequence; under per-request
+               budgets (`auto`, `budgetN`) it offers a candidate tree per sequence and the
+               batch's most likely nodes are kept, as many as pay (native_engine.budget)
   verify    -> one target pass over root + tree nodes of every decoding sequence, then
                greedy or exact stochastic acceptance (verify.py) per sequence
   commit    -> KV cache kept to the accepted path, tokens appended, finish checks
@@ -35,13 +37,20 @@ import torch
 from adaspec.engine_contract import EngineReport, PolicySlot
 from adaspec.policy import PolicyAck, PolicyError, SpecConfig, SpecPolicy
 from adaspec.telemetry import EngineCapabilities, RequestLifetimes, StepRecord
+from native_engine.budget import BudgetPlan, BudgetPlanner
 from native_engine.drafters import Drafter, NgramDrafter
 from native_engine.kv_cache import KVCache
-from native_engine.model import Transformer, causal_mask, load_model
+from native_engine.model import Packing, Transformer, causal_mask, load_model
 from native_engine.requests import Request, RequestOutput, SamplingParams
 from native_engine.stats import AcceptanceCounts
 from native_engine.tree import DraftTree, TreeShape, attention_mask, batch_tree_inputs
 from native_engine.verify import Acceptance, accept_greedy, accept_sampled, probs_from_logits
+
+# A verify pass runs packed (native_engine.model.Packing) when its real tokens fill at most
+# this share of the padded [B, T] layout: below it the pads' matmul work outweighs the
+# gathers and scatters packing adds to every layer.
+PACK_BELOW = 0.75
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -49,6 +58,9 @@ class EngineConfig:
     max_seq_len: int = 2048  # cache positions per row: prompt + output + one verify tree
     max_tree_nodes: int = 64  # draft nodes per sequence per step; bigger configs are refused
     tree_budget: int | None = None  # best-first node budget applied to every tree config
+    # Per-request budgets: the candidate tree each sequence offers (widths per depth, expanded
+    # best-first to max_tree_nodes); None = the drafter's own (`Drafter.budget_offer`).
+    budget_offer: tuple[int, ...] | None = None
     max_prefill_tokens: int = 8192  # prompt tokens admitted per step (at least one request)
     seed: int = 0  # engine sampling generator (requests without their own seed)
 
@@ -70,6 +82,7 @@ class NativeEngine:
         self._ids: set[str] = set()
         self._lifetimes = RequestLifetimes()
         self._generator = torch.Generator().manual_seed(config.seed)
+        self.budget = BudgetPlanner()
         # The policy in force and the step buffer; raises PolicyError for a policy it cannot run.
         self.slot = PolicySlot(self.capabilities(), policy or SpecPolicy.uniform(SpecConfig.off()),
                                check=self._check_tree_room)
@@ -147,6 +160,7 @@ class NativeEngine:
     def capabilities(self) -> EngineCapabilities:
         return EngineCapabilities(engine="native", max_batch_size=self.config.max_batch_size,
                                   max_k=self.max_depth, supports_trees=True,
+                                  supports_budgets=self.drafter is not None,
                                   draft_method=self.drafter.name if self.drafter else "none",
                                   max_tree_nodes=self.config.max_tree_nodes)
 
@@ -156,7 +170,18 @@ class NativeEngine:
 
     # ------------------------------------------------------------------ policy
     def shape_for(self, config: SpecConfig) -> TreeShape:
+        """What the drafter is asked for under `config` (per-request budgets: the offer)."""
+        if config.per_request:
+            return self.offer_shape
         return TreeShape.from_config(config, self.config.tree_budget)
+
+    @property
+    def offer_shape(self) -> TreeShape:
+        """The candidate tree a sequence offers under per-request budgets."""
+        if self.drafter is None:
+            return TreeShape(())
+        widths = self.config.budget_offer or self.drafter.budget_offer
+        return TreeShape(tuple(widths[: self.drafter.max_depth]), budget=self.config.max_tree_nodes)
 
     @property
     def policy(self) -> SpecPolicy:
@@ -196,14 +221,22 @@ class NativeEngine:
         self._lifetimes.step([r.request_id for r in self.running], len(self.running), config)
         context = sum(r.cache_len for r in decode)
         trees = self._draft(decode, shape)
+        plan: BudgetPlan | None = None
+        if config.per_request and decode:
+            trees, plan = self.budget.plan(decode, trees, config.max_nodes, context)
         results, verified = self._verify(decode, trees)
+        if plan is not None:
+            self.budget.observe(decode, trees, results, plan)
         outputs += self._commit(decode, results)
         outputs += self._prefill(new)
         self._release_finished()
-        counts = AcceptanceCounts(shape.widths if decode else ())
+        counts = AcceptanceCounts(shape.widths if decode else (), per_rank=plan is None)
         for tree, result in zip(trees, results):
             counts.add(tree, result)
-        self._record(start, config, decode, new, verified, context, counts)
+        duration = time.perf_counter() - start
+        if decode and not new:  # a pure decode step: what the budget's cost fit models
+            self.budget.record_step(duration, len(decode), verified, context)
+        self._record(duration, config, decode, new, verified, context, counts, plan)
         return outputs
 
     def _reap_aborted(self) -> list[RequestOutput]:
@@ -253,10 +286,15 @@ class NativeEngine:
             mask = None  # one token per row, every row as long: each attends all key_len keys
         else:
             mask = attention_mask(block, torch.tensor(lengths), key_len).to(dev)
-        hidden = self.model(tokens.to(dev), pos.to(dev), mask, self.cache, 0, write.to(dev), key_len)
         counts = [len(t) + 1 for t in trees]
         real = torch.tensor([b * T + i for b, n in enumerate(counts) for i in range(n)], device=dev)
-        logits = self.model.logits(hidden.reshape(-1, hidden.shape[-1])[real])  # [sum counts, V]
+        if len(real) <= PACK_BELOW * len(trees) * T:  # uneven trees: skip the pads' matmul work
+            packed = Packing(real, len(trees), T)
+            hidden = self.model(tokens.to(dev), pos.to(dev), mask, self.cache, 0, write.to(dev), key_len, packed)[0]
+        else:
+            hidden = self.model(tokens.to(dev), pos.to(dev), mask, self.cache, 0, write.to(dev), key_len)
+            hidden = hidden.reshape(-1, hidden.shape[-1])[real]
+        logits = self.model.logits(hidden)  # [sum counts, V]
         argmax = logits.argmax(-1).tolist()
         results, offset = [], 0
         for req, tree, n in zip(decode, trees, counts):
@@ -321,17 +359,19 @@ class NativeEngine:
                 req.row = i
         self.running = alive
 
-    def _record(self, start: float, config: SpecConfig, decode: list[Request], new: list[Request],
-                verified: int, context: int, counts: AcceptanceCounts) -> None:
+    def _record(self, duration_s: float, config: SpecConfig, decode: list[Request], new: list[Request],
+                verified: int, context: int, counts: AcceptanceCounts, plan: BudgetPlan | None) -> None:
         prefill_tokens = sum(len(r.prompt) for r in new)
         self.slot.record_step(StepRecord(
-            time=time.time(), duration_s=time.perf_counter() - start, batch_size=len(decode) + len(new),
+            time=time.time(), duration_s=duration_s, batch_size=len(decode) + len(new),
             num_decode_reqs=len(decode), scheduled_tokens=verified + prefill_tokens,
             prefill_tokens=prefill_tokens, context_tokens=context, config=config,
             policy_version=self.policy.version, num_drafts=counts.num_drafts,
             draft_k=config.depth if decode and self.drafter is not None else 0,
             drafted_per_pos=counts.drafted_per_pos, accepted_per_pos=counts.accepted_per_pos,
             reached_per_depth_rank=counts.reached, accepted_per_depth_rank=counts.accepted,
+            nodes_per_seq=counts.nodes_per_seq, accepted_per_seq=counts.accepted_per_seq,
+            node_budget=plan.budget if plan is not None else None,
         ))
 
     # ------------------------------------------------------------------ helpers

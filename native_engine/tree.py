@@ -70,6 +70,7 @@ class DraftTree:
     tokens: list[int] = field(default_factory=list)  # [N] token ids
     parents: list[int] = field(default_factory=list)  # [N] parent node, -1 = root
     scores: list[float] = field(default_factory=list)  # [N] drafter's P(path root -> node)
+    match_len: int = 0  # prompt lookup: tokens of the suffix it matched (0: another drafter)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -102,12 +103,19 @@ def prune_best_first(tree: DraftTree, budget: int) -> DraftTree:
     always contains each kept node's ancestors."""
     if len(tree) <= budget:
         return tree
-    keep = best_nodes(tree, budget)
+    return subtree(tree, best_nodes(tree, budget))
+
+
+def subtree(tree: DraftTree, keep: list[int]) -> DraftTree:
+    """The nodes `keep` (ascending, each kept node's parent kept too) as a tree of their own."""
+    if len(keep) == len(tree):
+        return tree
     new_index = {old: new for new, old in enumerate(keep)}
     return DraftTree(
         tokens=[tree.tokens[i] for i in keep],
         parents=[-1 if tree.parents[i] < 0 else new_index[tree.parents[i]] for i in keep],
         scores=[tree.scores[i] for i in keep],
+        match_len=tree.match_len,
     )
 
 

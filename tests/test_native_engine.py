@@ -18,7 +18,8 @@ from native_engine.requests import SamplingParams
 from native_engine.testing import CharTokenizer, noisy_copy, reference_greedy, tiny_args
 from native_engine.tree import attention_mask
 
-SHAPES = ["off", "chain1", "chain4", "tree2x2", "tree4x2x2x1", "tree3x3x2@10"]  # @N: best-first budget
+SHAPES = ["off", "chain1", "chain4", "tree2x2", "tree4x2x2x1", "tree3x3x2@10",  # @N: best-first budget
+          "auto", "budget6"]  # per-request budgets: uneven trees in one verify pass
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -5,6 +5,9 @@ engine (continuous batching, draft trees, stochastic acceptance), are compared w
 exact joint distribution P(t1, t2, t3 | prompt) of the target by a chi-square test. The
 first token comes from prefill; the next two pass through tree verification. The same check
 with acceptance deliberately broken (every first-ranked draft accepted) must fail.
+Per-request budgets (`auto`, `budget8`) run with greedy companion requests in the same
+batches, so one verify pass holds uneven trees: many nodes for the greedy ones, few or none
+for the sampled ones.
 """
 
 from __future__ import annotations
@@ -55,17 +58,25 @@ def _exact_joint(model, temperature: float, top_p: float) -> np.ndarray:
     return joint
 
 
-def _sample(engine: NativeEngine, temperature: float, top_p: float) -> np.ndarray:
+COMPANION = [4, 5, 6, 4, 5, 6, 4, 5]
+
+
+def _sample(engine: NativeEngine, temperature: float, top_p: float, companions: bool = False) -> np.ndarray:
+    """Counts of the sampled completions; with `companions`, every fourth request is a greedy
+    one on another prompt (not counted), so trees differ within a batch."""
     counts = np.zeros((V, V, V))
     params = SamplingParams(max_tokens=3, temperature=temperature, top_p=top_p, ignore_eos=True)
     outputs: dict[str, list[int]] = {}
     for i in range(SAMPLES):
         engine.add_request(str(i), PROMPT, params)
+        if companions and i % 4 == 0:
+            engine.add_request(f"c{i}", COMPANION, SamplingParams(max_tokens=6, ignore_eos=True))
     while engine.has_unfinished():
         for o in engine.step():
             outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
-    for toks in outputs.values():
-        counts[tuple(toks)] += 1
+    for rid, toks in outputs.items():
+        if not rid.startswith("c"):
+            counts[tuple(toks)] += 1
     return counts
 
 
@@ -94,17 +105,23 @@ def _engine(target, draft, drafter: str, shape: str) -> NativeEngine:
     ("draft_model", "tree3x2", 1.0, 1.0),
     ("ngram", "tree2x2x1", 1.0, 1.0),
     ("draft_model", "chain2", 0.7, 0.9),
+    ("draft_model", "auto", 1.0, 1.0),
+    ("ngram", "budget8", 0.7, 0.9),
 ])
 def test_speculative_sampling_matches_the_target_distribution(target, draft, drafter, shape, temperature, top_p):
     engine = _engine(target, draft, drafter, shape)
-    counts = _sample(engine, temperature, top_p)
+    budgets = shape in ("auto", "budget8")
+    counts = _sample(engine, temperature, top_p, companions=budgets)
     steps = engine.drain().steps
     accepted = sum(sum(s.accepted_per_pos) for s in steps)
     assert accepted > SAMPLES / 10, f"too few accepted drafts ({accepted}) for the test to mean anything"
+    if budgets:  # uneven trees in one pass: at least one step verified different node counts
+        assert any(len({n for n in s.nodes_per_seq}) > 2 for s in steps)
     assert _p_value(counts, _exact_joint(target, temperature, top_p)) > 1e-3
 
 
-def test_the_check_fails_when_every_draft_is_accepted(target, draft, monkeypatch):
+@pytest.mark.parametrize("shape", ["tree3x2", "auto"])
+def test_the_check_fails_when_every_draft_is_accepted(target, draft, monkeypatch, shape):
     """Negative control: accepting rank-0 children unconditionally changes the distribution."""
     def accept_everything(children, tokens, probs, generator):
         out, row = Acceptance(path=[0]), 0
@@ -118,7 +135,7 @@ def test_the_check_fails_when_every_draft_is_accepted(target, draft, monkeypatch
         return out
 
     monkeypatch.setattr(engine_module, "accept_sampled", accept_everything)
-    counts = _sample(_engine(target, draft, "draft_model", "tree3x2"), 1.0, 1.0)
+    counts = _sample(_engine(target, draft, "draft_model", shape), 1.0, 1.0, companions=shape == "auto")
     assert _p_value(counts, _exact_joint(target, 1.0, 1.0)) < 1e-6
 
 

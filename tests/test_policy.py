@@ -24,7 +24,28 @@ def test_chain_of_width_one_tree_is_a_chain():
     assert SpecConfig.parse("chain0").is_off
 
 
-@pytest.mark.parametrize("bad", ["", "chain", "chain-1", "tree", "tree2x0", "tree2x", "k4", "chain4 x"])
+def test_per_request_budgets_are_configs_of_their_own():
+    auto, b16 = SpecConfig.parse("auto"), SpecConfig.parse("BUDGET16")
+    assert (auto.per_request, auto.max_nodes, str(auto)) == (True, None, "auto")
+    assert (b16.per_request, b16.max_nodes, str(b16)) == (True, 16, "budget16")
+    for cfg in (auto, b16):  # neither off nor a chain: nothing may treat them as either
+        assert not cfg.is_off and not cfg.is_chain and cfg.widths == ()
+        assert SpecConfig.model_validate_json(cfg.model_dump_json()) == cfg
+    policy = SpecPolicy.parse("1-2:chain4,3-8:budget16,9+:auto")
+    assert [str(policy.config_for(b)) for b in (1, 3, 9)] == ["chain4", "budget16", "auto"]
+    assert SpecPolicy.model_validate_json(policy.model_dump_json()) == policy
+    with pytest.raises(ValueError, match="no fixed widths"):
+        SpecConfig(widths=(1, 1), per_request=True)
+
+
+def test_per_request_budgets_need_an_engine_that_runs_them():
+    with pytest.raises(PolicyError, match="per-request budget.*engine: native"):
+        SpecPolicy.parse("1-4:chain2,5+:auto").check_engine(64, 4, supports_trees=True)
+    SpecPolicy.parse("1-4:chain2,5+:auto").check_engine(64, 4, supports_trees=True, supports_budgets=True)
+
+
+@pytest.mark.parametrize("bad", ["", "chain", "chain-1", "tree", "tree2x0", "tree2x", "k4", "chain4 x",
+                                 "budget", "budget0", "budget-2", "auto4", "autox"])
 def test_bad_configs_are_rejected(bad):
     with pytest.raises(PolicyError):
         SpecConfig.parse(bad)

@@ -1,0 +1,268 @@
+"""Per-request speculation budgets: which draft nodes of the whole batch are worth verifying.
+
+A step under `auto` or `budgetN` (adaspec.policy) works in three moves:
+1. offer: every decoding sequence's drafter proposes a candidate tree (the engine's offer
+   shape, best-first, at most max_tree_nodes nodes);
+2. estimate: each candidate node gets p = P(accepted), the product along its path of edge
+   estimates P(child accepted | parent accepted) (`BudgetPlanner.node_probabilities`);
+3. select: all nodes of the batch sorted by p; the first B are verified, B chosen to
+   maximise predicted tokens per second (`best_budget`):
+       (n + sum of the first B p's) / t(n sequences, n + B tokens)
+   where each of the n sequences gains its bonus token and t is the engine's own step-cost
+   fit (`StepCost`). B = 0 is a valid answer; `budgetN` caps B at N.
+Each edge estimate is below 1 (MAX_EDGE), so a node's p is below its parent's and any prefix
+of the order holds every kept node's ancestors: each sequence's kept nodes form a rooted
+subtree, verified with the others in the engine's one pass.
+
+Edge estimates (calibrated drafter confidence x the sequence's own record):
+- the drafter's confidence in an edge: the share of the parent's matched occurrences that
+  continue with the token (prompt lookup) or the draft model's probability of the token;
+- `Calibration`: decayed counts of (verified with parent accepted, accepted) per sampling
+  class (greedy, T <= 0.5, hotter), drafter key (the n-gram match length in tokens, 2, 3,
+  4+; 0 for a draft model), depth group and confidence bin; the rate there, shrunk towards
+  a prior;
+- the sequence factor: (accepted + prior) / (expected + prior), its decayed draft tokens
+  accepted against the calibrated estimates of the candidates it had reached. A sequence
+  sampled at high temperature that keeps rejecting drifts towards 0 and gets no nodes while
+  a greedy one beside it gets many; while it gets none its record fades back to the prior,
+  so it is tried again a few dozen steps later. The factor stays within [0, MAX_FACTOR]: a
+  run of luck must not make every deep node look certain.
+- the batch's bias: predicted accepted tokens (the sum of the kept nodes' p) against those
+  accepted, decayed; every p is scaled by it. Keeping the nodes that look best favours the
+  ones whose estimate is too high (the winner's curse); this takes it back out.
+Nodes deeper than the sequence's remaining tokens - 1 are worth nothing (p = 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from native_engine.requests import Request, SamplingParams
+from native_engine.tree import DraftTree, subtree
+from native_engine.verify import Acceptance
+
+CONFIDENCE_EDGES = (0.25, 0.5, 0.75, 0.999)  # confidence bins; the last holds certain edges (1.0)
+MATCH_KEYS = 5  # drafter keys 0..4: 0 = a draft model, else the n-gram match length (4 = 4+)
+SAMPLING_CLASSES = 3  # greedy, temperature <= 0.5, hotter
+DEPTH_EDGES = (2, 4)  # depth groups 1, 2-3, 4+: once a copy is on track it tends to stay on it
+MAX_EDGE = 0.98  # edge estimates stay below 1, so a child always ranks below its parent
+MIN_P = 1e-3  # nodes less likely than this are never verified
+PRIOR_RATE = 0.4  # calibrated edge rate where nothing was measured
+PRIOR_WEIGHT = 2.0  # the prior counts as this many verified candidates
+CALIBRATION_DECAY = 0.999  # per budgeted step: the calibration remembers a few thousand steps
+SEQUENCE_PRIOR = 1.0  # the sequence factor's prior, in expected accepted tokens
+SEQUENCE_DECAY = 0.8  # per step a sequence verified drafts
+SEQUENCE_IDLE_DECAY = 0.95  # per step it verified none: its record fades back to the prior
+MAX_FACTOR = 1.5  # the sequence factor's ceiling
+BIAS_PRIOR = 10.0  # the bias correction's prior, in tokens (predicted = accepted)
+BIAS_DECAY = 0.99  # per budgeted step
+# Every EXPLORE_EVERY budgeted steps the engine verifies twice the chosen nodes plus one per
+# sequence: the cost fit needs steps longer than the ones it picks, or a per-token cost
+# guessed too high would keep B at 0 and never be corrected.
+EXPLORE_EVERY = 16
+
+
+CALIBRATION_SHAPE = (SAMPLING_CLASSES, MATCH_KEYS, len(DEPTH_EDGES) + 1, len(CONFIDENCE_EDGES) + 1)
+
+
+def sampling_class(params: SamplingParams) -> int:
+    """0 greedy, 1 temperature <= 0.5, 2 hotter: acceptance falls with temperature."""
+    if params.greedy:
+        return 0
+    return 1 if params.temperature <= 0.5 else 2
+
+
+def confidence_bin(confidence: float) -> int:
+    return int(np.searchsorted(CONFIDENCE_EDGES, confidence, side="right"))
+
+
+def depth_group(depth: int) -> int:
+    return int(np.searchsorted(DEPTH_EDGES, depth, side="right"))
+
+
+def edge_confidences(tree: DraftTree) -> list[float]:
+    """The drafter's confidence in each node given its parent: its path score over its
+    parent's (scores are path probabilities, the root's being 1)."""
+    out = []
+    for i, p in enumerate(tree.parents):
+        parent = 1.0 if p < 0 else tree.scores[p]
+        out.append(min(tree.scores[i] / parent, 1.0) if parent > 0 else 0.0)
+    return out
+
+
+@dataclass
+class Calibration:
+    """Decayed counts per [sampling class, drafter key, confidence bin]: candidates verified
+    with their parent accepted, and how many of those were accepted."""
+
+    reached: np.ndarray = field(default_factory=lambda: np.zeros(CALIBRATION_SHAPE))
+    accepted: np.ndarray = field(default_factory=lambda: np.zeros(CALIBRATION_SHAPE))
+
+    def rates(self, cls: int, key: int) -> np.ndarray:
+        """Edge acceptance [depth group, confidence bin] for this class and drafter key."""
+        return (self.accepted[cls, key] + PRIOR_WEIGHT * PRIOR_RATE) / (self.reached[cls, key] + PRIOR_WEIGHT)
+
+    def decay(self) -> None:
+        self.reached *= CALIBRATION_DECAY
+        self.accepted *= CALIBRATION_DECAY
+
+
+COST_KNOTS = (8, 32, 128)  # tokens per step where the marginal cost of a token may change
+
+
+@dataclass
+class StepCost:
+    """Step seconds as a piecewise-linear function of the tokens verified (the slope may change
+    at COST_KNOTS: flat while the weights' memory traffic dominates, steeper once compute
+    does), plus terms per sequence and per thousand KV tokens attended; fitted by recursive
+    least squares with forgetting over the engine's decode steps (about the last 100), so
+    the fit follows the regime the engine runs in now."""
+
+    forgetting: float = 0.99
+    theta: np.ndarray = field(default_factory=lambda: np.array([0.02, 0.002, 0.001, 0.002, 0.002, 0.002, 0.001]))
+    # A loose prior (1 s of standard deviation per coefficient): a few steps outweigh it.
+    cov: np.ndarray = field(default_factory=lambda: np.eye(3 + len(COST_KNOTS) + 1))
+    samples: int = 0
+
+    @staticmethod
+    def features(seqs: int, tokens: int, context_tokens: int) -> np.ndarray:
+        return np.array([1.0, float(seqs), float(tokens)] + [float(max(tokens - k, 0)) for k in COST_KNOTS]
+                        + [context_tokens / 1000.0])
+
+    def add(self, duration_s: float, seqs: int, tokens: int, context_tokens: int) -> None:
+        x = self.features(seqs, tokens, context_tokens)
+        px = self.cov @ x
+        gain = px / (self.forgetting + x @ px)
+        self.theta = self.theta + gain * (duration_s - x @ self.theta)
+        self.cov = (self.cov - np.outer(gain, px)) / self.forgetting
+        self.samples += 1
+
+    def seconds(self, seqs: int, tokens: int, context_tokens: int) -> float:
+        return float(self.features(seqs, tokens, context_tokens) @ self.theta)
+
+    def step_seconds(self, seqs: int, context_tokens: int, max_nodes: int) -> np.ndarray:
+        """[B] predicted seconds of a step verifying B = 0..max_nodes draft nodes besides the
+        sequences' roots; never decreasing in B (more work is never faster) and never below
+        10 µs per extra node."""
+        raw = np.array([self.seconds(seqs, seqs + b, context_tokens) for b in range(max_nodes + 1)])
+        floor = raw[0] + 1e-5 * np.arange(max_nodes + 1)
+        return np.maximum.accumulate(np.maximum(raw, floor))
+
+
+def best_budget(sorted_p: list[float], seqs: int, step_seconds: np.ndarray) -> int:
+    """B in 0..len(step_seconds) - 1 maximising (seqs + sum(sorted_p[:B])) / step_seconds[B]:
+    predicted tokens per second when the B most likely nodes are verified (sorted_p
+    descending, at least len(step_seconds) - 1 of them)."""
+    gained = seqs + np.concatenate([[0.0], np.cumsum(sorted_p[: len(step_seconds) - 1])])
+    return int(np.argmax(gained / np.maximum(step_seconds, 1e-9)))
+
+
+def select_nodes(probs: list[list[float]], budget: int) -> list[list[int]]:
+    """Per sequence, the nodes among the batch's `budget` most likely (p > MIN_P; ties: earlier
+    sequence, then earlier node), in node order."""
+    ranked = sorted(((p, s, i) for s, ps in enumerate(probs) for i, p in enumerate(ps) if p > MIN_P),
+                    key=lambda t: (-t[0], t[1], t[2]))[:budget]
+    kept: list[list[int]] = [[] for _ in probs]
+    for _, s, i in ranked:
+        kept[s].append(i)
+    return [sorted(k) for k in kept]
+
+
+@dataclass
+class BudgetPlan:
+    """What one budgeted step chose."""
+
+    offered: int  # candidate nodes with p > MIN_P across the batch
+    budget: int  # nodes kept (B)
+    explored: bool  # more nodes kept than chosen, to measure longer steps
+    predicted: float  # expected draft tokens accepted: the sum of the kept nodes' p
+    edge_estimates: list[list[float]]  # [sequence][kept node] calibrated edge rate (no sequence factor)
+    cells: list[list[tuple[int, int, int, int]]]  # [sequence][kept node] calibration cell
+
+
+class BudgetPlanner:
+    """The engine's per-request budget state: calibration, step cost, and the step counter."""
+
+    def __init__(self) -> None:
+        self.calibration = Calibration()
+        self.cost = StepCost()
+        self.steps = 0
+        self.predicted = 0.0  # decayed sum of the kept nodes' p
+        self.accepted = 0.0  # decayed draft tokens accepted in the same steps
+
+    @property
+    def bias(self) -> float:
+        """Accepted over predicted draft tokens (decayed; 1 before any step)."""
+        return (self.accepted + BIAS_PRIOR) / (self.predicted + BIAS_PRIOR)
+
+    def node_probabilities(self, req: Request, tree: DraftTree) -> tuple[list[float], list[float],
+                                                                          list[tuple[int, int, int, int]]]:
+        """(P(node accepted), calibrated edge rate, calibration cell) per node of `tree`."""
+        cls = sampling_class(req.params)
+        key = min(tree.match_len, MATCH_KEYS - 1)
+        rates = self.calibration.rates(cls, key)
+        factor = min((req.draft_accepted + SEQUENCE_PRIOR) / (req.draft_expected + SEQUENCE_PRIOR), MAX_FACTOR)
+        bias = min(self.bias, 1.0 / MAX_EDGE)
+        room = req.params.max_tokens - len(req.output) - 1  # the bonus token takes the last place
+        depths = tree.depths()
+        probs, edges, cells = [], [], []
+        for i, (conf, parent) in enumerate(zip(edge_confidences(tree), tree.parents)):
+            cell = (cls, key, depth_group(depths[i]), confidence_bin(conf))
+            edge = float(rates[cell[2:]])
+            p = min(edge * factor, MAX_EDGE) * (bias if parent < 0 else probs[parent])
+            probs.append(p if depths[i] <= room else 0.0)
+            edges.append(edge)
+            cells.append(cell)
+        return probs, edges, cells
+
+    def plan(self, decode: list[Request], offers: list[DraftTree], max_nodes: int | None,
+             context_tokens: int) -> tuple[list[DraftTree], BudgetPlan]:
+        """The trees to verify: the batch's best nodes, as many as pay (at most max_nodes)."""
+        self.steps += 1
+        estimates = [self.node_probabilities(r, t) for r, t in zip(decode, offers)]
+        probs = [e[0] for e in estimates]
+        sorted_p = sorted((p for ps in probs for p in ps if p > MIN_P), reverse=True)
+        cap = len(sorted_p) if max_nodes is None else min(max_nodes, len(sorted_p))
+        n = len(decode)
+        budget = best_budget(sorted_p, n, self.cost.step_seconds(n, context_tokens, cap))
+        explored = self.steps % EXPLORE_EVERY == 0
+        if explored:
+            budget = min(cap, 2 * budget + n)
+        kept = select_nodes(probs, budget)
+        trees = [subtree(t, k) for t, k in zip(offers, kept)]
+        return trees, BudgetPlan(
+            offered=len(sorted_p), budget=budget, explored=explored, predicted=sum(sorted_p[:budget]),
+            edge_estimates=[[estimates[s][1][i] for i in k] for s, k in enumerate(kept)],
+            cells=[[estimates[s][2][i] for i in k] for s, k in enumerate(kept)])
+
+    def observe(self, decode: list[Request], trees: list[DraftTree], results: list[Acceptance],
+                plan: BudgetPlan) -> None:
+        """Learn from the verified trees: every node whose parent was accepted was reached."""
+        self.calibration.decay()
+        self.predicted = BIAS_DECAY * self.predicted + plan.predicted
+        self.accepted = BIAS_DECAY * self.accepted + sum(r.num_accepted for r in results)
+        for req, tree, result, edges, cells in zip(decode, trees, results, plan.edge_estimates, plan.cells):
+            if not len(tree):
+                req.draft_accepted *= SEQUENCE_IDLE_DECAY
+                req.draft_expected *= SEQUENCE_IDLE_DECAY
+                continue
+            accepted = {row - 1 for row in result.path[1:]}
+            on_path = accepted | {-1}  # -1: the root
+            expected = gained = 0.0
+            for i, parent in enumerate(tree.parents):
+                if parent not in on_path:
+                    continue
+                hit = i in accepted
+                cell = cells[i]
+                self.calibration.reached[cell] += 1.0
+                self.calibration.accepted[cell] += float(hit)
+                expected += edges[i]
+                gained += float(hit)
+            req.draft_accepted = SEQUENCE_DECAY * req.draft_accepted + gained
+            req.draft_expected = SEQUENCE_DECAY * req.draft_expected + expected
+
+    def record_step(self, duration_s: float, seqs: int, tokens: int, context_tokens: int) -> None:
+        """A decode step's measured time (no prefill in it), for the cost fit."""
+        self.cost.add(duration_s, seqs, tokens, context_tokens)

@@ -1,0 +1,219 @@
+"""Per-request speculation budgets (native_engine/budget.py): the selection math without an
+engine, then the engine on tiny random models: the budget is respected, a sequence that keeps
+rejecting gets no nodes while a greedy one beside it gets many, uneven trees verified in one
+packed pass match recomputation from scratch, and the records count every sequence exactly.
+Greedy equality under `auto` / `budget6` is in test_native_engine.py (its SHAPES), sampled
+exactness in test_native_sampling.py."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from adaspec.policy import SpecPolicy
+from native_engine.budget import (
+    MAX_EDGE, MIN_P, BudgetPlanner, StepCost, best_budget, edge_confidences, select_nodes,
+)
+from native_engine.drafters import NgramDrafter
+from native_engine.engine import EngineConfig, NativeEngine
+from native_engine.kv_cache import KVCache
+from native_engine.model import Packing, build_model, causal_mask
+from native_engine.requests import Request, SamplingParams
+from native_engine.testing import tiny_args
+from native_engine.tree import DraftTree, attention_mask, batch_tree_inputs
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+# ----------------------------------------------------------------------------------- the math
+def _linear(base_s: float, per_node_s: float, cap: int) -> np.ndarray:
+    return base_s + per_node_s * np.arange(cap + 1)
+
+
+def test_best_budget_keeps_nodes_only_while_they_pay():
+    # 4 sequences, a 40 ms step, 5 ms per verified token: a node pays when p > rate x 5 ms.
+    assert best_budget([0.9, 0.8, 0.7, 0.2, 0.1], 4, _linear(0.040, 0.005, 5)) == 3
+    assert best_budget([0.3, 0.2], 4, _linear(0.040, 0.005, 2)) == 0  # B = 0 is an answer
+    assert best_budget([0.9] * 10, 1, _linear(0.040, 0.0001, 4)) == 4  # the cap binds
+    assert best_budget([], 3, _linear(0.04, 0.005, 0)) == 0
+    # Flat up to 8 nodes, then steep (memory-bound, then compute-bound): unlikely nodes ride
+    # free below the knee, and none past it.
+    flat_then_steep = np.array([0.05] * 9 + [0.05 + 0.01 * i for i in range(1, 8)])
+    assert best_budget([0.5] * 4 + [0.05] * 12, 1, flat_then_steep) == 8
+
+
+def test_select_nodes_takes_the_batch_best_and_respects_the_budget():
+    probs = [[0.9, 0.5, 0.45], [0.95, 0.0005], [0.6]]
+    kept = select_nodes(probs, 4)
+    assert kept == [[0, 1], [0], [0]]  # 0.95, 0.9, 0.6, 0.5
+    assert sum(map(len, select_nodes(probs, 2))) == 2
+    assert select_nodes(probs, 100)[1] == [0]  # below MIN_P is never kept
+    assert MIN_P > 0.0005
+
+
+def _random_tree(rng: random.Random, n: int) -> DraftTree:
+    tree = DraftTree(match_len=rng.choice([0, 2, 3, 4]))
+    for i in range(n):
+        parent = rng.randrange(-1, i)
+        base = 1.0 if parent < 0 else tree.scores[parent]
+        tree.tokens.append(rng.randrange(50))
+        tree.parents.append(parent)
+        tree.scores.append(base * rng.uniform(0.05, 1.0))
+    return tree
+
+
+def test_kept_nodes_form_rooted_subtrees_whatever_the_estimates():
+    rng = random.Random(0)
+    planner = BudgetPlanner()
+    for trial in range(50):
+        reqs = [Request(str(i), [1, 2, 3], SamplingParams(max_tokens=rng.choice([4, 40]),
+                                                          temperature=rng.choice([0.0, 0.7, 1.5])), 0.0)
+                for i in range(4)]
+        for r in reqs:
+            r.draft_accepted, r.draft_expected = rng.uniform(0, 5), rng.uniform(0, 5)
+        trees = [_random_tree(rng, rng.randrange(0, 12)) for _ in reqs]
+        probs = [planner.node_probabilities(r, t)[0] for r, t in zip(reqs, trees)]
+        for tree, ps in zip(trees, probs):
+            for i, parent in enumerate(tree.parents):
+                assert ps[i] <= MAX_EDGE * (1.0 if parent < 0 else ps[parent]) + 1e-12
+        for budget in (0, 3, 10, 100):
+            for tree, kept in zip(trees, select_nodes(probs, budget)):
+                assert all(tree.parents[i] < 0 or tree.parents[i] in kept for i in kept), (trial, budget)
+
+
+def test_edge_confidence_is_the_path_score_over_the_parents():
+    tree = DraftTree(tokens=[1, 2, 3], parents=[-1, 0, 0], scores=[0.8, 0.6, 0.2])
+    assert edge_confidences(tree) == pytest.approx([0.8, 0.75, 0.25])
+
+
+def test_step_cost_fit_recovers_a_roofline_and_never_decreases():
+    def true_seconds(seqs, tokens, ctx):  # flat to 8 tokens, then 4 ms a token
+        return 0.030 + 0.001 * seqs + 0.004 * max(tokens - 8, 0) + 0.002 * ctx / 1000
+
+    cost, rng = StepCost(), random.Random(1)
+    for _ in range(400):
+        seqs, extra, ctx = rng.randint(1, 8), rng.randint(0, 40), rng.randint(100, 8000)
+        cost.add(true_seconds(seqs, seqs + extra, ctx), seqs, seqs + extra, ctx)
+    for seqs, tokens in ((1, 1), (1, 8), (4, 20), (8, 40)):
+        assert cost.seconds(seqs, tokens, 2000) == pytest.approx(true_seconds(seqs, tokens, 2000), rel=0.05)
+    curve = cost.step_seconds(1, 2000, 30)
+    assert np.all(np.diff(curve) > 0)
+    assert curve[6] - curve[0] < 0.003 < curve[30] - curve[20]  # flat below the knee, steep above
+
+
+# ----------------------------------------------------------------------------------- the engine
+@pytest.fixture(scope="module")
+def target():
+    # init_std 0.15 makes a random model repeat itself, so n-gram drafts get accepted.
+    return build_model(tiny_args(vocab_size=64), seed=1, init_std=0.15)
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 64, (10,), generator=gen).tolist() for _ in range(n)]
+
+
+def _engine(target, policy: str, batch: int = 6) -> NativeEngine:
+    return NativeEngine(target, NgramDrafter(max_n=3, min_n=1), EngineConfig(max_batch_size=batch, max_seq_len=256),
+                        SpecPolicy.parse(policy))
+
+
+def test_the_node_budget_is_respected_and_recorded_exactly(target):
+    engine = _engine(target, "budget5")
+    engine.generate(_prompts(6), SamplingParams(max_tokens=60))
+    steps = [s for s in engine.drain().steps if s.num_decode_reqs]
+    budgeted = [s for s in steps if s.node_budget is not None]
+    assert budgeted and all(str(s.config) == "budget5" for s in budgeted)
+    assert max(sum(s.nodes_per_seq) for s in budgeted) == 5, "the budget never bound: the test proves nothing"
+    for s in steps:
+        assert sum(s.nodes_per_seq) == s.node_budget <= 5
+        assert len(s.nodes_per_seq) == len(s.accepted_per_seq) == s.num_decode_reqs
+        assert sum(s.accepted_per_seq) == sum(s.accepted_per_pos)  # per sequence and per position agree
+        assert all(a <= n for a, n in zip(s.accepted_per_seq, s.nodes_per_seq))
+        assert s.scheduled_tokens == s.num_decode_reqs + sum(s.nodes_per_seq) + s.prefill_tokens
+        assert not s.reached_per_depth_rank  # selection-biased under budgets: not reported per rank
+
+
+def test_a_sequence_that_keeps_rejecting_gets_no_nodes_beside_a_greedy_one(target):
+    """Row 0 greedy (the model repeats itself: drafts accepted), row 1 sampled at T=3 from the
+    same prompt (near-uniform over 64 tokens: drafts rejected)."""
+    engine = _engine(target, "auto", batch=2)
+    # A tiny model's step costs next to nothing, so even unlikely nodes would pay; hold the
+    # cost at what SmolLM2-135M's costs on 2 CPU cores (40 ms a step, 4 ms a verified token).
+    engine.budget.cost.theta = np.array([0.040, 0.0, 0.004, 0.0, 0.0, 0.0, 0.0])
+    engine.budget.cost.add = lambda *args: None
+    prompt = _prompts(1, seed=3)[0]
+    engine.add_request("greedy", prompt, SamplingParams(max_tokens=150))
+    engine.add_request("hot", prompt, SamplingParams(max_tokens=150, temperature=3.0, seed=1))
+    while engine.has_unfinished():
+        engine.step()
+    steps = [s for s in engine.drain().steps if s.num_decode_reqs == 2 and s.node_budget is not None]
+    late = steps[len(steps) // 3:]  # after the estimates have seen each sequence
+    greedy = [s.nodes_per_seq[0] for s in late]
+    hot = [s.nodes_per_seq[1] for s in late]
+    assert sum(s.accepted_per_seq[0] for s in steps) > 20, "the greedy sequence accepted too little to test"
+    assert sum(greedy) / len(late) > 1.0
+    assert sum(h == 0 for h in hot) >= 0.8 * len(late), hot  # the rest: the cost fit's exploration steps
+    assert sum(hot) < 0.25 * sum(greedy)
+
+
+def test_packed_forward_equals_the_padded_one(target):
+    """Uneven trees: the packed layout (pads skip every matmul) gives the real tokens the
+    same hidden states and writes the same keys/values as the padded layout."""
+    rng = random.Random(2)
+    trees = [_random_tree(rng, n) for n in (0, 7, 2, 11)]
+    lengths = [5, 9, 3, 12]
+    roots = [3, 4, 5, 6]
+    tokens, pos, write, block = batch_tree_inputs(trees, roots, lengths)
+    B, T = tokens.shape
+    key_len = max(lengths) + T
+    mask = attention_mask(block, torch.tensor(lengths), key_len)
+    a = target.args
+    real = torch.tensor([b * T + i for b, t in enumerate(trees) for i in range(len(t) + 1)])
+    out = {}
+    for name in ("padded", "packed"):
+        cache = KVCache.allocate(a.n_layers, B, a.n_kv_heads, 64, a.head_dim)
+        prefix = torch.randn(cache.k.shape, generator=torch.Generator().manual_seed(0))
+        cache.k.copy_(prefix)
+        cache.v.copy_(prefix * 0.5)
+        with torch.no_grad():
+            if name == "packed":
+                hidden = target(tokens, pos, mask, cache, 0, write, key_len, Packing(real, B, T))[0]
+            else:
+                hidden = target(tokens, pos, mask, cache, 0, write, key_len).reshape(B * T, -1)[real]
+        out[name] = (hidden, cache)
+    assert torch.allclose(out["packed"][0], out["padded"][0], atol=1e-5)
+    for b, t in enumerate(trees):  # the real tokens' cache entries; pads may differ
+        span = slice(lengths[b], lengths[b] + len(t) + 1)
+        assert torch.allclose(out["packed"][1].k[:, b, :, span], out["padded"][1].k[:, b, :, span], atol=1e-5)
+        assert torch.allclose(out["packed"][1].v[:, b, :, span], out["padded"][1].v[:, b, :, span], atol=1e-5)
+
+
+def test_uneven_trees_in_one_pass_match_recomputation(target):
+    """After budgeted steps with very different trees per sequence in the same pass, each
+    row's KV cache equals a from-scratch forward over its committed tokens."""
+    engine = _engine(target, "auto", batch=4)
+    for i, p in enumerate(_prompts(4, seed=5)):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=80, temperature=0.0 if i % 2 == 0 else 1.0, seed=i))
+    uneven = 0
+    for _ in range(25):
+        engine.step()
+        steps = engine.drain().steps
+        if steps and steps[-1].nodes_per_seq:
+            nodes = steps[-1].nodes_per_seq
+            uneven += len(set(nodes)) > 1 and max(nodes) >= 3
+    assert uneven >= 3, "the trees were never uneven: packing and per-row trees not exercised"
+    a = target.args
+    for req in engine.running:
+        committed = req.context[: req.cache_len]
+        n = len(committed)
+        cache = KVCache.allocate(a.n_layers, 1, a.n_kv_heads, n, a.head_dim)
+        pos = torch.arange(n)[None]
+        with torch.no_grad():
+            target(torch.tensor([committed]), pos,
+                   attention_mask(causal_mask(torch.tensor([n]), n)[:, 0], torch.tensor([0]), n), cache, 0, pos, n)
+        assert torch.allclose(engine.cache.k[:, req.row, :, :n], cache.k[:, 0], atol=1e-5)
+        assert torch.allclose(engine.cache.v[:, req.row, :, :n], cache.v[:, 0], atol=1e-5)
