@@ -10,7 +10,11 @@ under `auto` (per-request budgets, native_engine/budget.py) and under each stati
 - each run queues `requests[batch]` requests into an engine of `batch` rows (continuous
   batching refills finished rows), so the batch stays near `batch` until the tail;
 - rounds: every (batch, policy) cell once per round, policies in a rotated order, so drift
-  of the machine spreads over all of them.
+  of the machine spreads over all of them;
+- `auto` learns (its acceptance calibration and step-cost fit, native_engine/budget.py), and
+  a serving replica has learned before most requests arrive: so before the rounds, `auto`
+  serves a warm-up set of the same size from the train split (no prompt in common), and
+  every measured `auto` run starts from a copy of that state. Static policies learn nothing.
 
 Measured per run: decode tokens/s (tokens gained by decoding sequences / seconds of the
 steps without a prompt in them: prefill costs every policy alike and is left out), e2e
@@ -30,6 +34,7 @@ or better TPOT, and never below it at batch 1.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -50,6 +55,7 @@ from bench.compare import bootstrap_ratio, mean  # noqa: E402
 from bench.harness import reply_token_caps  # noqa: E402
 from bench.verdicts import split_rounds  # noqa: E402
 from distill.teacher import load_tokenizer  # noqa: E402
+from native_engine.budget import BudgetPlanner  # noqa: E402
 from native_engine.drafters import NgramDrafter  # noqa: E402
 from native_engine.engine import EngineConfig, NativeEngine  # noqa: E402
 from native_engine.requests import SamplingParams  # noqa: E402
@@ -64,9 +70,9 @@ MAX_PROMPT_CHARS = 2500  # code edits carry a whole function; longer prompts are
 MAX_SEQ_LEN = 1024  # cache positions per row: the longest prompt + output + a tree
 
 
-def request_set(n: int, seed: int, max_tokens: int, folder: Path) -> list[dict]:
+def request_set(n: int, seed: int, max_tokens: int, folder: Path, split: str = "test") -> list[dict]:
     """n mixed requests as the engine takes them: token ids, sampling, and max_tokens."""
-    prompts = load_prompts("mixed", n, seed, split="test", max_prompt_chars=MAX_PROMPT_CHARS)
+    prompts = load_prompts("mixed", n, seed, split=split, max_prompt_chars=MAX_PROMPT_CHARS)
     tokenizer = load_tokenizer(folder)
     caps = reply_token_caps(prompts, MODEL, max_tokens)
     out = []
@@ -81,10 +87,14 @@ def request_set(n: int, seed: int, max_tokens: int, folder: Path) -> list[dict]:
     return out
 
 
-def run(base: NativeEngine, policy: str, requests: list[dict], batch: int) -> dict:
-    """Every request queued at once into a fresh engine of `batch` rows, until all finish."""
+def run(base: NativeEngine, policy: str, requests: list[dict], batch: int, planner: BudgetPlanner | None = None
+        ) -> dict:
+    """Every request queued at once into a fresh engine of `batch` rows, until all finish;
+    `planner`: the per-request budget state to start from (a copy is used)."""
     engine = NativeEngine(base.model, NgramDrafter(), EngineConfig(max_batch_size=batch, max_seq_len=MAX_SEQ_LEN),
                           SpecPolicy.parse(policy), base.tokenizer, tuple(base.eos_ids))
+    if planner is not None:
+        engine.budget = copy.deepcopy(planner)
     first: dict[str, float] = {}
     done: dict[str, tuple[float, int]] = {}
     outputs: dict[str, list[int]] = {r["id"]: [] for r in requests}
@@ -116,6 +126,7 @@ def run(base: NativeEngine, policy: str, requests: list[dict], batch: int) -> di
         "mean_nodes_per_seq": statistics.fmean(nodes) if nodes else 0.0,
         "mean_accepted_length": gained / max(1, sum(s.num_decode_reqs for s in decode)),
         "greedy_outputs": {r["id"]: outputs[r["id"]] for r in requests if r["greedy"]},
+        "planner": engine.budget,
     }
 
 
@@ -141,13 +152,20 @@ def main() -> None:
     base = NativeEngine.from_pretrained(MODEL, config=EngineConfig(max_batch_size=1, max_seq_len=MAX_SEQ_LEN))
     sets = {b: request_set(REQUESTS[b], args.seed, args.max_tokens, folder) for b in batches}
     run(base, "off", sets[batches[0]][:1], 1)  # warm-up: allocator, thread pool, weights
+    warm = {}
+    for b in batches:
+        w = run(base, BUDGETED, request_set(REQUESTS[b], args.seed, args.max_tokens, folder, split="train"), b)
+        warm[b] = w["planner"]
+        print(f"[budget] warm-up of {BUDGETED} at batch {b}: {w['decode_tokens_per_s']:.1f} tok/s "
+              f"(train split, not scored)", flush=True)
     runs: list[dict] = []
     total = args.rounds * len(batches) * len(policies)
     for rnd in range(args.rounds):
         for batch in batches:
             order = policies[rnd % len(policies):] + policies[: rnd % len(policies)]
             for policy in order:
-                r = run(base, policy, sets[batch], batch)
+                r = run(base, policy, sets[batch], batch, warm[batch] if policy == BUDGETED else None)
+                r.pop("planner")
                 r["round"] = rnd
                 runs.append(r)
                 print(f"[budget] {len(runs)}/{total} round {rnd} batch {batch:2d} {policy:12s} "
