@@ -65,6 +65,8 @@ class AcceptanceModel:
         now = max(now or 0.0, max(s.time for s in steps))
         self.decay_to(now)
         for s in steps:
+            if s.config.per_request:  # its nodes were kept for looking likely: rates would flatter the drafter
+                continue
             w = 0.5 ** ((now - s.time) / self.half_life_s)
             reached, accepted = step_counts(s)
             d, r = reached.shape
@@ -119,10 +121,11 @@ def step_counts(step: StepRecord) -> tuple[np.ndarray, np.ndarray]:
 def measured_proposal_rate(steps: list[StepRecord]) -> float | None:
     """Share of decoding sequences that got a draft when the drafter was asked for one
     (draft_k >= 1; an n-gram drafter may find none); None when it never was."""
-    eligible = sum(s.num_decode_reqs for s in steps if s.draft_k >= 1)
+    asked = [s for s in steps if s.draft_k >= 1 and not s.config.per_request]  # budgets draft by choice
+    eligible = sum(s.num_decode_reqs for s in asked)
     if not eligible:
         return None
-    return min(sum(s.num_drafts for s in steps if s.draft_k >= 1) / eligible, 1.0)
+    return min(sum(s.num_drafts for s in asked) / eligible, 1.0)
 
 
 def measured_acceptance(steps: list[StepRecord], max_k: int) -> list[float]:

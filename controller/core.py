@@ -25,7 +25,7 @@ from controller.config import ControllerConfig
 from controller.policy_search import (
     CostTable, Decision, Objective, bucket_of, candidate_configs, policy_speed, search_policy,
 )
-from controller.safety import safe_config
+from controller.safety import prefer_budgets, safe_config
 from controller.state import Deployment, Replica
 from controller.step_time import FitReport, StepTimeModel
 from controller.view import ControllerView, DroppedReplica, deployment_view, replica_view
@@ -102,7 +102,8 @@ class ControllerCore:
         """The configs to price: off, the chains and, for a tree engine, the trees built from
         the deployment's acceptance (re-chosen every refit period, not every report), plus the
         configs the reporting replica runs now, so that hysteresis can keep them (kept until
-        the next re-choice, so every replica's stay priced without a pass over all replicas)."""
+        the next re-choice, so every replica's stay priced without a pass over all replicas).
+        Per-request budgets are never priced: the models cannot (controller.safety)."""
         caps = rep.capabilities
         if dep.candidates is None or now - dep.candidates_at >= self.config.refit_every_s:
             q = dep.acceptance.marginal_rates() if dep.acceptance.observed_drafts() > 0 else None
@@ -110,7 +111,8 @@ class ControllerCore:
             dep.candidates_at = now
         for rule in rep.policy_in_force.rules:
             c = rule.config
-            if c not in dep.candidates and c.depth <= caps.max_k and (c.is_chain or caps.supports_trees):
+            if (c not in dep.candidates and not c.per_request and c.depth <= caps.max_k
+                    and (c.is_chain or caps.supports_trees)):
                 dep.candidates.append(c)
         return list(dep.candidates)  # a copy: the cost table keeps the list it was built for
 
@@ -149,6 +151,7 @@ class ControllerCore:
             objective=self.objective, current=rep.policy_in_force, hysteresis=self.config.hysteresis,
             version=max(time.time_ns() // 1_000_000, rep.policy_in_force.version + 1),
             replica_id=replica_id)
+        decision = self._budgets(decision, rep)
         decision = self._guard(decision, rep)
         decision = self._explore(decision, rep, dep, now)
         rep.decision = decision
@@ -156,6 +159,20 @@ class ControllerCore:
             rep.first_decision_at = now
         self.decisions += 1
         return decision
+
+    def _budgets(self, decision: Decision, rep: Replica) -> Decision:
+        """Per-request budgets (controller.safety.prefer_budgets): in the bucket the replica
+        runs in now, `auto` replaces the models' choice where it was measured faster."""
+        if rep.batch is None or not rep.capabilities.supports_budgets:
+            return decision
+        lo, hi = bucket_of(max(int(round(rep.batch)), 1), rep.capabilities.max_batch_size)
+        chosen = decision.policy.config_for(lo)
+        pick = prefer_budgets(chosen, lo, rep.policy_in_force.config_for(lo), rep.measured, rep.last_seen,
+                              self.config.safety_margin)
+        if pick == chosen:
+            return decision
+        policy = decision.policy.with_configs(lo, hi, pick)
+        return decision.model_copy(update={"policy": policy, "changed": not policy.same_rules(rep.policy_in_force)})
 
     def _guard(self, decision: Decision, rep: Replica) -> Decision:
         """The safety rule (controller.safety): in the bucket the replica runs in now, `off`
@@ -195,13 +212,28 @@ class ControllerCore:
           how a config never seen at this batch would do (a chain3 step at batch 48 says
           nothing about the cost of `off` there). Once per deployment, bucket and config, so
           bounded in total (a shipped profile has measured most of them);
+        - `auto` (per-request budgets) once per deployment and bucket, on an engine that runs
+          them: only a measurement can price it (controller.safety.prefer_budgets);
         Recurring trials, only while trials are under `max_exploration_share` of the
         replica's recent steps:
+        - the models' static choice, every `safety_recheck_s` while the bucket runs `auto`
+          and that choice has no recent measurement there: `auto` must keep beating it;
         - `off`, every `safety_recheck_s` while the bucket speculates and `off` has no recent
           measurement there: the safety rule compares against it;
         - chain1 every `probe_every_s` while the bucket is off: with no drafts the
           acceptance model learns nothing, and the workload may have changed."""
         caps = rep.capabilities
+        auto = SpecConfig.budget()
+        if caps.supports_budgets and chosen != auto and dep.seen.get((lo, auto), 0) < EXPLORE_STEPS:
+            return auto
+        if chosen == auto:
+            static = self._static_choice(rep, lo)
+            if (static != auto and now - rep.last_static_check >= self.config.safety_recheck_s
+                    and rep.budget.allows_trial(self.config.max_exploration_share)
+                    and not rep.measured.measured_recently(lo, static, rep.last_seen)):
+                rep.last_static_check = now
+                return static
+            return None
         if not chosen.is_chain:
             return None
         for k in (chosen.depth - 1, chosen.depth + 1):
@@ -215,6 +247,13 @@ class ControllerCore:
         if chosen.is_off and caps.max_k >= 1 and now - rep.last_probe >= self.config.probe_every_s:
             return SpecConfig.chain(1)
         return None
+
+    def _static_choice(self, rep: Replica, lo: int) -> SpecConfig:
+        """The models' choice for bucket `lo` (what `auto` is measured against)."""
+        decision = search_policy(*self._models_for(rep, rep.last_seen), rate=rep.rate or 0.0,
+                                 output_tokens=rep.output_tokens or 128.0, objective=self.objective,
+                                 current=rep.policy_in_force, hysteresis=self.config.hysteresis)
+        return decision.policy.config_for(lo)
 
     # ------------------------------------------------------------------ upkeep
     def refit_jobs(self) -> dict[str, StepTimeModel]:

@@ -9,6 +9,11 @@ model fitted on another machine). So, per replica:
 - `safe_config`: in the bucket the replica runs in, a speculative config whose measured
   seconds per token exceed `off`'s by more than `margin` (3%: the goal "never more than 3%
   slower than off"), both measured over at least MIN_STEPS recent steps, gives way to `off`.
+- `prefer_budgets`: per-request budgets (`auto`, native engine) have no model the controller
+  could price them with (each sequence's tree is the engine's own choice at every step), so
+  they are chosen by measurement alone: in a bucket where `auto` was measured faster per
+  token than the models' choice by more than `margin`, `auto` runs; where it runs and the
+  other has no recent measurement, it stays.
 - `ExplorationBudget`: decayed counts of steps run under an exploration trial and of all
   steps; a new trial starts only while trials are under a share of the steps (5% by default).
 """
@@ -79,6 +84,23 @@ def safe_config(chosen: SpecConfig, bucket_lo: int, measured: MeasuredSpeed, now
     if spec is None or off is None or spec <= (1.0 + margin) * off:
         return chosen
     return SpecConfig.off()
+
+
+def prefer_budgets(chosen: SpecConfig, bucket_lo: int, in_force: SpecConfig, measured: MeasuredSpeed, now: float,
+                   margin: float) -> SpecConfig:
+    """`auto` instead of the models' `chosen` in this bucket when measured faster per token:
+    by more than `margin` to switch to it, by no less than `margin` slower to stay on it (a
+    hysteresis band); `chosen` when `auto` has no recent measurement here."""
+    auto = SpecConfig.budget()
+    if chosen == auto:
+        return chosen
+    auto_s = measured.seconds_per_token(bucket_lo, auto, now)
+    if auto_s is None:
+        return chosen
+    chosen_s = measured.seconds_per_token(bucket_lo, chosen, now)
+    if in_force == auto:
+        return auto if chosen_s is None or auto_s <= (1.0 + margin) * chosen_s else chosen
+    return auto if chosen_s is not None and (1.0 + margin) * auto_s < chosen_s else chosen
 
 
 @dataclass

@@ -71,6 +71,7 @@ class Replica:
     decision: Decision | None = None
     last_probe: float = -1e18
     last_off_check: float = -1e18  # unix seconds `off` was last run as a trial for the safety rule
+    last_static_check: float = -1e18  # unix seconds the models' static choice was last run as a trial against `auto`
     # Guard rails (controller.safety); short-lived measurements, not checkpointed.
     measured: MeasuredSpeed = field(default_factory=MeasuredSpeed)
     budget: ExplorationBudget = field(default_factory=ExplorationBudget)

@@ -226,6 +226,8 @@ class AppConfig(_Strict):
             self._check_native()
         elif self.tree_budget is not None:
             raise ValueError("tree_budget: token trees need engine: native")
+        elif any(rule.config.per_request for rule in self.speculation.initial_policy().rules):
+            raise ValueError("speculation.policy: per-request budgets (auto, budgetN) need engine: native")
         if self.accelerator == "cpu" and self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 needs accelerator: gpu")
         if self.autoscaling is not None and self.num_replicas != 1:

@@ -41,6 +41,7 @@ def no_local_ray_left():
     ({"accelerator": "tpu"}, "accelerator"),
     ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
     ({"controller": {"period_s": 0}}, "controller.period_s"),
+    ({"speculation": {"policy": "1-2:chain4,3+:auto"}}, "speculation.policy"),  # budgets: native only
 ])
 def test_bad_config_names_the_field(args, field):
     with pytest.raises(ValidationError) as err:
@@ -48,6 +49,11 @@ def test_bad_config_names_the_field(args, field):
     assert field.split(".")[0] in str(err.value)
     if "." in field:
         assert field in str(err.value)
+
+
+def test_per_request_budgets_are_accepted_for_the_native_engine():
+    cfg = AppConfig.model_validate({"engine": "native", "speculation": {"policy": "1-2:auto,3+:budget16"}})
+    assert str(cfg.speculation.initial_policy()) == "1-2:auto,3+:budget16"
 
 
 def test_engine_kwargs_are_checked_against_vllm():

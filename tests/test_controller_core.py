@@ -391,3 +391,47 @@ def test_a_tree_engine_gets_trees_from_its_measured_acceptance_not_a_fixed_list(
     assert [c for c in dep.costs.configs if not c.is_chain] == built + ([tree] if tree not in built else [])
     (view,) = core.view(now=1021.0).replicas
     assert set(view.expected_length) == {str(c) for c in dep.costs.configs}
+
+
+class SimulatedBudgetReplica(SimulatedReplica):
+    """A native replica (stand-in) that also runs per-request budgets: under `auto` each
+    sequence verifies `auto_nodes` draft nodes a step and gains `auto_gain` of them."""
+
+    def __init__(self, replica_id: str, alpha: float, auto_nodes: int, auto_gain: float):
+        super().__init__(replica_id, alpha)
+        self.auto_nodes, self.auto_gain = auto_nodes, auto_gain
+
+    def telemetry(self, start: float, seconds: float, batch: int, arrivals: int) -> ReplicaTelemetry:
+        tel = super().telemetry(start, seconds, batch, arrivals)
+        caps = CAPS.model_copy(update={"engine": "native", "supports_trees": True, "supports_budgets": True,
+                                       "max_tree_nodes": 64})
+        steps = []
+        for s in tel.steps:
+            if s.config.per_request:
+                duration = synthetic_step_time(batch, 1 + self.auto_nodes, 0, batch * 300, 0)
+                gained = int(self.rng.binomial(batch * self.auto_nodes, self.auto_gain / self.auto_nodes))
+                s = dataclasses.replace(s, duration_s=duration, scheduled_tokens=batch * (1 + self.auto_nodes),
+                                        num_drafts=batch, draft_k=0, drafted_per_pos=[batch],
+                                        accepted_per_pos=[gained], nodes_per_seq=[self.auto_nodes] * batch,
+                                        node_budget=batch * self.auto_nodes)
+            steps.append(s)
+        return tel.model_copy(update={"steps": steps, "info": INFO.model_copy(update={"capabilities": caps})})
+
+
+@pytest.mark.parametrize("auto_gain,wins", [(2.5, True), (0.2, False)])
+def test_per_request_budgets_are_chosen_by_measurement(auto_gain, wins):
+    """The models cannot price `auto`; the controller tries it once per bucket, and keeps it
+    only where it was measured faster per token than the models' static choice."""
+    core = ControllerCore(ControllerConfig(enabled=True))
+    replica = SimulatedBudgetReplica("n1", alpha=0.5, auto_nodes=3, auto_gain=auto_gain)
+    replica.run(core, 1000.0, periods=200, batch=1, arrivals=1)
+    tried = [p for p in replica.history if str(p.config_for(1)) == "auto"]
+    assert tried, "auto was never tried"
+    late = replica.history[-60:]
+    on_auto = sum(str(p.config_for(1)) == "auto" for p in late)
+    if wins:
+        assert on_auto >= 0.8 * len(late), [str(p) for p in late]
+    else:
+        assert on_auto <= 0.2 * len(late), [str(p) for p in late]
+    # Budget steps never reach the acceptance model (their nodes were picked for looking likely).
+    assert core.deployments["m"].acceptance.observed_drafts() > 0

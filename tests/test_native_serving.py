@@ -253,6 +253,35 @@ def test_tree_policy_applied_and_steps_count_tree_acceptance(client):
         set_controller(client, "resume")
 
 
+def test_per_request_budgets_served_with_streaming(client, reference_engine):
+    """`auto` / `budget8` through the app: applied live, greedy output (streamed and not)
+    equal to the model's own greedy decoding, and every step's nodes and accepted tokens
+    reported per sequence."""
+    set_controller(client, "pause")
+    try:
+        (ack,) = client.post("/admin/policy", json={"table": "1-2:auto,3+:budget8"}).json()
+        assert ack["status"] == "applied", ack
+        since = time.time()
+        ids = reference_engine.generate([REPETITIVE], SamplingParams(max_tokens=32))[0]
+        expected = reference_engine.tokenizer.decode(ids, skip_special_tokens=True)
+        body = {"model": MODEL, "prompt": REPETITIVE, "max_tokens": 32, "temperature": 0}
+        out = client.post("/v1/completions", json=body).json()
+        assert out["choices"][0]["text"] == expected
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
+            assert stream.status_code == 200
+            chunks = [json.loads(line[6:])["choices"][0]["text"] for line in stream.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        assert "".join(chunks) == expected and len(chunks) > 1
+        steps = [s for s in _status(client)["steps"] if s["time"] > since and s["config"] == "auto"]
+        assert steps, "no step ran under auto"
+        decode = [s for s in steps if s["num_decode_reqs"]]
+        assert all(len(s["nodes_per_seq"]) == s["num_decode_reqs"] and s["node_budget"] == sum(s["nodes_per_seq"])
+                   for s in decode)
+        assert sum(sum(s["accepted_per_seq"]) for s in decode) > 0, "no draft accepted: verification not exercised"
+    finally:
+        set_controller(client, "resume")
+
+
 def test_impossible_tree_is_rejected_with_the_reason(client):
     set_controller(client, "pause")
     try:
