@@ -18,9 +18,11 @@ Edge estimates (calibrated drafter confidence x the sequence's own record):
 - the drafter's confidence in an edge: the share of the parent's matched occurrences that
   continue with the token (prompt lookup) or the draft model's probability of the token;
 - `Calibration`: decayed counts of (verified with parent accepted, accepted) per sampling
-  class (greedy, T <= 0.5, hotter), drafter key (the n-gram match length in tokens, 2, 3,
-  4+; 0 for a draft model), depth group and confidence bin; the rate there, shrunk towards
-  a prior;
+  class (greedy, T <= 0.5, hotter), the sequence's previous step (no drafts, stopped short,
+  accepted to the tree's depth), drafter key (the n-gram match length in tokens, 2, 3, 4+;
+  0 for a draft model), depth group and confidence bin; the rate there, shrunk towards the
+  rate of its coarse cell (sampling class and previous step only), itself shrunk towards a
+  prior: a young engine learns the coarse rates within a few steps, the fine ones later;
 - the sequence factor: (accepted + prior) / (expected + prior), its decayed draft tokens
   accepted against the calibrated estimates of the candidates it had reached. A sequence
   sampled at high temperature that keeps rejecting drifts towards 0 and gets no nodes while
@@ -47,15 +49,18 @@ CONFIDENCE_EDGES = (0.25, 0.5, 0.75, 0.999)  # confidence bins; the last holds c
 MATCH_KEYS = 5  # drafter keys 0..4: 0 = a draft model, else the n-gram match length (4 = 4+)
 SAMPLING_CLASSES = 3  # greedy, temperature <= 0.5, hotter
 DEPTH_EDGES = (2, 4)  # depth groups 1, 2-3, 4+: once a copy is on track it tends to stay on it
+# What the sequence's previous budgeted step did: verified nothing, stopped short of its
+# tree's depth, or accepted as deep as its tree went (a copy in progress usually goes on).
+LAST_NONE, LAST_SHORT, LAST_ALL = 0, 1, 2
 MAX_EDGE = 0.98  # edge estimates stay below 1, so a child always ranks below its parent
 MIN_P = 1e-3  # nodes less likely than this are never verified
 PRIOR_RATE = 0.4  # calibrated edge rate where nothing was measured
 PRIOR_WEIGHT = 2.0  # the prior counts as this many verified candidates
 CALIBRATION_DECAY = 0.999  # per budgeted step: the calibration remembers a few thousand steps
-SEQUENCE_PRIOR = 1.0  # the sequence factor's prior, in expected accepted tokens
+SEQUENCE_PRIOR = 2.0  # the sequence factor's prior, in expected accepted tokens
 SEQUENCE_DECAY = 0.8  # per step a sequence verified drafts
 SEQUENCE_IDLE_DECAY = 0.95  # per step it verified none: its record fades back to the prior
-MAX_FACTOR = 1.5  # the sequence factor's ceiling
+MAX_FACTOR = 1.2  # the sequence factor's ceiling
 BIAS_PRIOR = 10.0  # the bias correction's prior, in tokens (predicted = accepted)
 BIAS_DECAY = 0.99  # per budgeted step
 # Every EXPLORE_EVERY budgeted steps the engine verifies twice the chosen nodes plus one per
@@ -64,7 +69,7 @@ BIAS_DECAY = 0.99  # per budgeted step
 EXPLORE_EVERY = 16
 
 
-CALIBRATION_SHAPE = (SAMPLING_CLASSES, MATCH_KEYS, len(DEPTH_EDGES) + 1, len(CONFIDENCE_EDGES) + 1)
+CALIBRATION_SHAPE = (SAMPLING_CLASSES, 3, MATCH_KEYS, len(DEPTH_EDGES) + 1, len(CONFIDENCE_EDGES) + 1)
 
 
 def sampling_class(params: SamplingParams) -> int:
@@ -100,9 +105,12 @@ class Calibration:
     reached: np.ndarray = field(default_factory=lambda: np.zeros(CALIBRATION_SHAPE))
     accepted: np.ndarray = field(default_factory=lambda: np.zeros(CALIBRATION_SHAPE))
 
-    def rates(self, cls: int, key: int) -> np.ndarray:
-        """Edge acceptance [depth group, confidence bin] for this class and drafter key."""
-        return (self.accepted[cls, key] + PRIOR_WEIGHT * PRIOR_RATE) / (self.reached[cls, key] + PRIOR_WEIGHT)
+    def rates(self, cls: int, last: int, key: int) -> np.ndarray:
+        """Edge acceptance [depth group, confidence bin] for this class, previous step and
+        drafter key."""
+        coarse = ((self.accepted[cls, last].sum() + PRIOR_WEIGHT * PRIOR_RATE)
+                  / (self.reached[cls, last].sum() + PRIOR_WEIGHT))
+        return (self.accepted[cls, last, key] + PRIOR_WEIGHT * coarse) / (self.reached[cls, last, key] + PRIOR_WEIGHT)
 
     def decay(self) -> None:
         self.reached *= CALIBRATION_DECAY
@@ -110,62 +118,88 @@ class Calibration:
 
 
 COST_KNOTS = (8, 32, 128)  # tokens per step where the marginal cost of a token may change
+NEAR_BEST = 0.03  # a budget this close to the best predicted rate counts as a tie
 
 
 @dataclass
 class StepCost:
     """Step seconds as a piecewise-linear function of the tokens verified (the slope may change
     at COST_KNOTS: flat while the weights' memory traffic dominates, steeper once compute
-    does), plus terms per sequence and per thousand KV tokens attended; fitted by recursive
-    least squares with forgetting over the engine's decode steps (about the last 100), so
-    the fit follows the regime the engine runs in now."""
+    does), plus terms per sequence, per padded token (attention runs over every row padded
+    to the longest tree: one deep tree makes every row's attention longer) and per thousand
+    KV tokens attended; fitted by recursive least squares with forgetting over the engine's
+    decode steps (about the last 100), so the fit follows the regime the engine runs in now."""
 
     forgetting: float = 0.99
-    theta: np.ndarray = field(default_factory=lambda: np.array([0.02, 0.002, 0.001, 0.002, 0.002, 0.002, 0.001]))
+    theta: np.ndarray = field(default_factory=lambda: np.array(
+        [0.02, 0.002, 0.001] + [0.002] * len(COST_KNOTS) + [0.0005, 0.001]))
     # A loose prior (1 s of standard deviation per coefficient): a few steps outweigh it.
-    cov: np.ndarray = field(default_factory=lambda: np.eye(3 + len(COST_KNOTS) + 1))
+    cov: np.ndarray = field(default_factory=lambda: np.eye(3 + len(COST_KNOTS) + 2))
     samples: int = 0
 
     @staticmethod
-    def features(seqs: int, tokens: int, context_tokens: int) -> np.ndarray:
-        return np.array([1.0, float(seqs), float(tokens)] + [float(max(tokens - k, 0)) for k in COST_KNOTS]
-                        + [context_tokens / 1000.0])
+    def features(seqs, tokens, padded_tokens, context_tokens: int) -> np.ndarray:
+        """[..., features] for scalars or arrays of token counts."""
+        tokens = np.asarray(tokens, dtype=float)
+        cols = [np.ones_like(tokens), np.full_like(tokens, float(seqs)), tokens]
+        cols += [np.maximum(tokens - k, 0.0) for k in COST_KNOTS]
+        cols += [np.asarray(padded_tokens, dtype=float) + 0 * tokens, np.full_like(tokens, context_tokens / 1000.0)]
+        return np.stack(cols, axis=-1)
 
-    def add(self, duration_s: float, seqs: int, tokens: int, context_tokens: int) -> None:
-        x = self.features(seqs, tokens, context_tokens)
+    def add(self, duration_s: float, seqs: int, tokens: int, padded_tokens: int, context_tokens: int) -> None:
+        x = self.features(seqs, tokens, padded_tokens, context_tokens)
         px = self.cov @ x
         gain = px / (self.forgetting + x @ px)
         self.theta = self.theta + gain * (duration_s - x @ self.theta)
         self.cov = (self.cov - np.outer(gain, px)) / self.forgetting
         self.samples += 1
 
-    def seconds(self, seqs: int, tokens: int, context_tokens: int) -> float:
-        return float(self.features(seqs, tokens, context_tokens) @ self.theta)
+    def seconds(self, seqs: int, tokens, padded_tokens, context_tokens: int):
+        return self.features(seqs, tokens, padded_tokens, context_tokens) @ self.theta
 
-    def step_seconds(self, seqs: int, context_tokens: int, max_nodes: int) -> np.ndarray:
-        """[B] predicted seconds of a step verifying B = 0..max_nodes draft nodes besides the
-        sequences' roots; never decreasing in B (more work is never faster) and never below
-        10 µs per extra node."""
-        raw = np.array([self.seconds(seqs, seqs + b, context_tokens) for b in range(max_nodes + 1)])
-        floor = raw[0] + 1e-5 * np.arange(max_nodes + 1)
+    def step_seconds(self, seqs: int, context_tokens: int, longest: np.ndarray) -> np.ndarray:
+        """[B] predicted seconds of a step verifying B = 0..len(longest) - 1 draft nodes
+        besides the sequences' roots, the longest tree then holding longest[B] nodes; never
+        decreasing in B (more work is never faster) and never below 10 µs per extra node."""
+        nodes = np.arange(len(longest))
+        raw = self.seconds(seqs, seqs + nodes, seqs * (1 + longest), context_tokens)
+        floor = raw[0] + 1e-5 * nodes
         return np.maximum.accumulate(np.maximum(raw, floor))
 
 
 def best_budget(sorted_p: list[float], seqs: int, step_seconds: np.ndarray) -> int:
-    """B in 0..len(step_seconds) - 1 maximising (seqs + sum(sorted_p[:B])) / step_seconds[B]:
-    predicted tokens per second when the B most likely nodes are verified (sorted_p
-    descending, at least len(step_seconds) - 1 of them)."""
+    """The smallest B in 0..len(step_seconds) - 1 whose predicted tokens per second,
+    (seqs + sum(sorted_p[:B])) / step_seconds[B] when the B most likely nodes are verified,
+    is within NEAR_BEST of the best (sorted_p descending, at least len(step_seconds) - 1 of
+    them). Near-ties go to fewer nodes: the marginal ones are the likeliest to be overrated
+    (they were kept for looking good) and a step's cost is certain where its gain is not."""
     gained = seqs + np.concatenate([[0.0], np.cumsum(sorted_p[: len(step_seconds) - 1])])
-    return int(np.argmax(gained / np.maximum(step_seconds, 1e-9)))
+    rate = gained / np.maximum(step_seconds, 1e-9)
+    return int(np.argmax(rate >= (1.0 - NEAR_BEST) * rate.max()))
+
+
+def ranked_nodes(probs: list[list[float]]) -> list[tuple[float, int, int]]:
+    """(p, sequence, node) of every node with p > MIN_P, most likely first (ties: earlier
+    sequence, then earlier node)."""
+    return sorted(((p, s, i) for s, ps in enumerate(probs) for i, p in enumerate(ps) if p > MIN_P),
+                  key=lambda t: (-t[0], t[1], t[2]))
+
+
+def longest_tree(ranked: list[tuple[float, int, int]], seqs: int) -> np.ndarray:
+    """[B] the most nodes any one sequence holds when the first B of `ranked` are kept."""
+    counts, out, most = [0] * seqs, [0], 0
+    for _, s, _ in ranked:
+        counts[s] += 1
+        most = max(most, counts[s])
+        out.append(most)
+    return np.array(out, dtype=float)
 
 
 def select_nodes(probs: list[list[float]], budget: int) -> list[list[int]]:
-    """Per sequence, the nodes among the batch's `budget` most likely (p > MIN_P; ties: earlier
-    sequence, then earlier node), in node order."""
-    ranked = sorted(((p, s, i) for s, ps in enumerate(probs) for i, p in enumerate(ps) if p > MIN_P),
-                    key=lambda t: (-t[0], t[1], t[2]))[:budget]
+    """Per sequence, the nodes among the batch's `budget` most likely (ranked_nodes), in node
+    order."""
     kept: list[list[int]] = [[] for _ in probs]
-    for _, s, i in ranked:
+    for _, s, i in ranked_nodes(probs)[:budget]:
         kept[s].append(i)
     return [sorted(k) for k in kept]
 
@@ -178,8 +212,9 @@ class BudgetPlan:
     budget: int  # nodes kept (B)
     explored: bool  # more nodes kept than chosen, to measure longer steps
     predicted: float  # expected draft tokens accepted: the sum of the kept nodes' p
+    probs: list[list[float]]  # [sequence][kept node] P(accepted) as estimated
     edge_estimates: list[list[float]]  # [sequence][kept node] calibrated edge rate (no sequence factor)
-    cells: list[list[tuple[int, int, int, int]]]  # [sequence][kept node] calibration cell
+    cells: list[list[tuple[int, ...]]]  # [sequence][kept node] calibration cell
 
 
 class BudgetPlanner:
@@ -198,19 +233,19 @@ class BudgetPlanner:
         return (self.accepted + BIAS_PRIOR) / (self.predicted + BIAS_PRIOR)
 
     def node_probabilities(self, req: Request, tree: DraftTree) -> tuple[list[float], list[float],
-                                                                          list[tuple[int, int, int, int]]]:
+                                                                          list[tuple[int, ...]]]:
         """(P(node accepted), calibrated edge rate, calibration cell) per node of `tree`."""
         cls = sampling_class(req.params)
         key = min(tree.match_len, MATCH_KEYS - 1)
-        rates = self.calibration.rates(cls, key)
+        rates = self.calibration.rates(cls, req.last_verify, key)
         factor = min((req.draft_accepted + SEQUENCE_PRIOR) / (req.draft_expected + SEQUENCE_PRIOR), MAX_FACTOR)
         bias = min(self.bias, 1.0 / MAX_EDGE)
         room = req.params.max_tokens - len(req.output) - 1  # the bonus token takes the last place
         depths = tree.depths()
         probs, edges, cells = [], [], []
         for i, (conf, parent) in enumerate(zip(edge_confidences(tree), tree.parents)):
-            cell = (cls, key, depth_group(depths[i]), confidence_bin(conf))
-            edge = float(rates[cell[2:]])
+            cell = (cls, req.last_verify, key, depth_group(depths[i]), confidence_bin(conf))
+            edge = float(rates[cell[3:]])
             p = min(edge * factor, MAX_EDGE) * (bias if parent < 0 else probs[parent])
             probs.append(p if depths[i] <= room else 0.0)
             edges.append(edge)
@@ -223,10 +258,12 @@ class BudgetPlanner:
         self.steps += 1
         estimates = [self.node_probabilities(r, t) for r, t in zip(decode, offers)]
         probs = [e[0] for e in estimates]
-        sorted_p = sorted((p for ps in probs for p in ps if p > MIN_P), reverse=True)
+        ranked = ranked_nodes(probs)
+        sorted_p = [p for p, _, _ in ranked]
         cap = len(sorted_p) if max_nodes is None else min(max_nodes, len(sorted_p))
         n = len(decode)
-        budget = best_budget(sorted_p, n, self.cost.step_seconds(n, context_tokens, cap))
+        longest = longest_tree(ranked[:cap], n)
+        budget = best_budget(sorted_p, n, self.cost.step_seconds(n, context_tokens, longest))
         explored = self.steps % EXPLORE_EVERY == 0
         if explored:
             budget = min(cap, 2 * budget + n)
@@ -234,6 +271,7 @@ class BudgetPlanner:
         trees = [subtree(t, k) for t, k in zip(offers, kept)]
         return trees, BudgetPlan(
             offered=len(sorted_p), budget=budget, explored=explored, predicted=sum(sorted_p[:budget]),
+            probs=[[estimates[s][0][i] for i in k] for s, k in enumerate(kept)],
             edge_estimates=[[estimates[s][1][i] for i in k] for s, k in enumerate(kept)],
             cells=[[estimates[s][2][i] for i in k] for s, k in enumerate(kept)])
 
@@ -247,7 +285,9 @@ class BudgetPlanner:
             if not len(tree):
                 req.draft_accepted *= SEQUENCE_IDLE_DECAY
                 req.draft_expected *= SEQUENCE_IDLE_DECAY
+                req.last_verify = LAST_NONE
                 continue
+            req.last_verify = LAST_ALL if result.num_accepted >= max(tree.depths()) else LAST_SHORT
             accepted = {row - 1 for row in result.path[1:]}
             on_path = accepted | {-1}  # -1: the root
             expected = gained = 0.0
@@ -263,6 +303,6 @@ class BudgetPlanner:
             req.draft_accepted = SEQUENCE_DECAY * req.draft_accepted + gained
             req.draft_expected = SEQUENCE_DECAY * req.draft_expected + expected
 
-    def record_step(self, duration_s: float, seqs: int, tokens: int, context_tokens: int) -> None:
+    def record_step(self, duration_s: float, seqs: int, tokens: int, padded_tokens: int, context_tokens: int) -> None:
         """A decode step's measured time (no prefill in it), for the cost fit."""
-        self.cost.add(duration_s, seqs, tokens, context_tokens)
+        self.cost.add(duration_s, seqs, tokens, padded_tokens, context_tokens)

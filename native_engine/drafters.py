@@ -51,8 +51,9 @@ class NgramDrafter:
     max_depth: int = 16
     max_expanded_nodes: int = 1 << 20  # stateless: only the matches it finds bound the tree
     name: str = "ngram"
-    # Matches are cheap and bound the tree themselves: offer deep (a copied line runs long).
-    budget_offer: tuple[int, ...] = (4, 2, 2) + (1,) * 9
+    # Matches are cheap: offer deep (a copied line runs long), with a second guess at the
+    # first token only (chains of the same node count were accepted more than wide trees).
+    budget_offer: tuple[int, ...] = (2,) + (1,) * 11
 
     def propose(self, contexts: list[list[int]], shape: TreeShape) -> list[DraftTree]:
         return [self._propose_one(ctx, shape) for ctx in contexts]

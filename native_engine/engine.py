@@ -224,7 +224,7 @@ class NativeEngine:
         plan: BudgetPlan | None = None
         if config.per_request and decode:
             trees, plan = self.budget.plan(decode, trees, config.max_nodes, context)
-        results, verified = self._verify(decode, trees)
+        results, verified, padded = self._verify(decode, trees)
         if plan is not None:
             self.budget.observe(decode, trees, results, plan)
         outputs += self._commit(decode, results)
@@ -235,7 +235,7 @@ class NativeEngine:
             counts.add(tree, result)
         duration = time.perf_counter() - start
         if decode and not new:  # a pure decode step: what the budget's cost fit models
-            self.budget.record_step(duration, len(decode), verified, context)
+            self.budget.record_step(duration, len(decode), verified, padded, context)
         self._record(duration, config, decode, new, verified, context, counts, plan)
         return outputs
 
@@ -271,11 +271,12 @@ class NativeEngine:
             return [DraftTree() for _ in decode]
         return self.drafter.propose([r.context for r in decode], shape)
 
-    def _verify(self, decode: list[Request], trees: list[DraftTree]) -> tuple[list[Acceptance], int]:
+    def _verify(self, decode: list[Request], trees: list[DraftTree]) -> tuple[list[Acceptance], int, int]:
         """One target pass over root + nodes of every decoding sequence; accept per sequence.
-        Returns the acceptances and the number of tokens verified."""
+        Returns the acceptances, the tokens verified and the tokens of the padded layout
+        (sequences x the longest tree + 1: what attention runs over)."""
         if not decode:
-            return [], 0
+            return [], 0, 0
         lengths = [r.cache_len for r in decode]
         tokens, pos, write, block = batch_tree_inputs(trees, [r.output[-1] for r in decode], lengths)
         T = tokens.shape[1]
@@ -306,7 +307,7 @@ class NativeEngine:
             else:
                 probs = probs_from_logits(logits[rows], req.params.temperature, req.params.top_p).cpu()
                 results.append(accept_sampled(children, tree.tokens, probs, req.generator or self._generator))
-        return results, sum(counts)
+        return results, sum(counts), len(trees) * T
 
     def _commit(self, decode: list[Request], results: list[Acceptance]) -> list[RequestOutput]:
         """Keep each sequence's accepted path in the cache and append its gained tokens."""

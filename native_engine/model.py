@@ -168,21 +168,18 @@ class Attention(nn.Module):
         """x [B, T, D] ([1, N, D] when `packed`); mask [B, 1, T, S] bool (True = attend), or
         None when every query attends every key; write_pos [B, T] cache positions."""
         a = self.args
-        _, N, _ = x.shape
         if self.qkv_proj is not None:
-            # RoPE on q and k together: they sit side by side in the fused output.
-            qk, v = self.qkv_proj(x).split([(a.n_heads + a.n_kv_heads) * a.head_dim, a.n_kv_heads * a.head_dim],
-                                           dim=-1)
-            q, k = apply_rope(qk.view(-1, N, a.n_heads + a.n_kv_heads, a.head_dim), cos, sin).split(
-                [a.n_heads, a.n_kv_heads], dim=2)
+            qkv = self.qkv_proj(x)
         else:
-            q = apply_rope(self.q_proj(x).view(-1, N, a.n_heads, a.head_dim), cos, sin)
-            k = apply_rope(self.k_proj(x).view(-1, N, a.n_kv_heads, a.head_dim), cos, sin)
-            v = self.v_proj(x)
-        v = v.view(-1, N, a.n_kv_heads, a.head_dim)
-        if packed is not None:  # attention needs each sequence's tokens in its own row
-            q, k, v = packed.unpack(q), packed.unpack(k), packed.unpack(v)
-        B, T = q.shape[:2]
+            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        if packed is not None:  # attention needs each sequence's tokens in its own row: one scatter
+            qkv = packed.unpack(qkv)
+        B, T, _ = qkv.shape
+        # RoPE on q and k together: they sit side by side in the fused output.
+        qk, v = qkv.split([(a.n_heads + a.n_kv_heads) * a.head_dim, a.n_kv_heads * a.head_dim], dim=-1)
+        q, k = apply_rope(qk.view(B, T, a.n_heads + a.n_kv_heads, a.head_dim), cos, sin).split(
+            [a.n_heads, a.n_kv_heads], dim=2)
+        v = v.view(B, T, a.n_kv_heads, a.head_dim)
         if cache is None:  # no cache: attend among the given tokens only (S = T)
             keys, values = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, Dh]
         else:
@@ -308,9 +305,9 @@ class Transformer(nn.Module):
         those rows' cache positions [0, key_len).
         """
         cos_t, sin_t = self.rope(int(positions.max()) + 1)
+        cos, sin = cos_t[positions], sin_t[positions]  # [B, T, Dh]: RoPE runs in the padded layout
         if packed is not None:
-            tokens, positions = packed.pack(tokens), packed.pack(positions)
-        cos, sin = cos_t[positions], sin_t[positions]  # [B, T, Dh]
+            tokens = packed.pack(tokens)
         x = self.model.embed_tokens(tokens)
         for layer in self.model.layers:
             x = layer(x, cos, sin, mask, cache, row_start, write_pos, key_len, packed)

@@ -69,6 +69,7 @@ class Request:
     # calibrated estimate of how many its verified candidates would be.
     draft_accepted: float = 0.0
     draft_expected: float = 0.0
+    last_verify: int = 0  # what its previous budgeted step did (native_engine.budget.LAST_*)
 
     @property
     def context(self) -> list[int]:
