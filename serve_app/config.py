@@ -53,7 +53,7 @@ class SpeculationConfig(_Strict):
     policy: str = Field(
         default="chain4",
         description="policy at start, same syntax as `adaspec policy set`: e.g. `1-2:chain4,3-8:chain2,9+:off` "
-        "(batch sizes -> config)",
+        "(batch sizes -> config); engine native also runs trees and per-request budgets (`auto`, `budgetN`)",
     )
 
     @field_validator("policy")
