@@ -211,7 +211,7 @@ class BudgetPlan:
     offered: int  # candidate nodes with p > MIN_P across the batch
     budget: int  # nodes kept (B)
     explored: bool  # more nodes kept than chosen, to measure longer steps
-    predicted: float  # expected draft tokens accepted: the sum of the kept nodes' p
+    predicted: float  # expected draft tokens accepted: the sum of the kept nodes' p, bias correction undone
     probs: list[list[float]]  # [sequence][kept node] P(accepted) as estimated
     edge_estimates: list[list[float]]  # [sequence][kept node] calibrated edge rate (no sequence factor)
     cells: list[list[tuple[int, ...]]]  # [sequence][kept node] calibration cell
@@ -232,14 +232,14 @@ class BudgetPlanner:
         """Accepted over predicted draft tokens (decayed; 1 before any step)."""
         return (self.accepted + BIAS_PRIOR) / (self.predicted + BIAS_PRIOR)
 
-    def node_probabilities(self, req: Request, tree: DraftTree) -> tuple[list[float], list[float],
-                                                                          list[tuple[int, ...]]]:
-        """(P(node accepted), calibrated edge rate, calibration cell) per node of `tree`."""
+    def node_probabilities(self, req: Request, tree: DraftTree, bias: float = 1.0
+                           ) -> tuple[list[float], list[float], list[tuple[int, ...]]]:
+        """(P(node accepted), calibrated edge rate, calibration cell) per node of `tree`;
+        `bias` scales every P (the batch's bias correction)."""
         cls = sampling_class(req.params)
         key = min(tree.match_len, MATCH_KEYS - 1)
         rates = self.calibration.rates(cls, req.last_verify, key)
         factor = min((req.draft_accepted + SEQUENCE_PRIOR) / (req.draft_expected + SEQUENCE_PRIOR), MAX_FACTOR)
-        bias = min(self.bias, 1.0 / MAX_EDGE)
         room = req.params.max_tokens - len(req.output) - 1  # the bonus token takes the last place
         depths = tree.depths()
         probs, edges, cells = [], [], []
@@ -256,7 +256,8 @@ class BudgetPlanner:
              context_tokens: int) -> tuple[list[DraftTree], BudgetPlan]:
         """The trees to verify: the batch's best nodes, as many as pay (at most max_nodes)."""
         self.steps += 1
-        estimates = [self.node_probabilities(r, t) for r, t in zip(decode, offers)]
+        bias = min(self.bias, 1.0 / MAX_EDGE)
+        estimates = [self.node_probabilities(r, t, bias) for r, t in zip(decode, offers)]
         probs = [e[0] for e in estimates]
         ranked = ranked_nodes(probs)
         sorted_p = [p for p, _, _ in ranked]
@@ -270,7 +271,8 @@ class BudgetPlanner:
         kept = select_nodes(probs, budget)
         trees = [subtree(t, k) for t, k in zip(offers, kept)]
         return trees, BudgetPlan(
-            offered=len(sorted_p), budget=budget, explored=explored, predicted=sum(sorted_p[:budget]),
+            # Before the bias correction: the correction is measured against the raw estimates.
+            offered=len(sorted_p), budget=budget, explored=explored, predicted=sum(sorted_p[:budget]) / bias,
             probs=[[estimates[s][0][i] for i in k] for s, k in enumerate(kept)],
             edge_estimates=[[estimates[s][1][i] for i in k] for s, k in enumerate(kept)],
             cells=[[estimates[s][2][i] for i in k] for s, k in enumerate(kept)])
