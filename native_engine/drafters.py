@@ -51,9 +51,10 @@ class NgramDrafter:
     max_depth: int = 16
     max_expanded_nodes: int = 1 << 20  # stateless: only the matches it finds bound the tree
     name: str = "ngram"
-    # Matches are cheap: offer deep (a copied line runs long), with a second guess at the
-    # first token only (chains of the same node count were accepted more than wide trees).
-    budget_offer: tuple[int, ...] = (2,) + (1,) * 11
+    # Matches are cheap and bound the tree themselves: offer wide near the root and deep
+    # below it (a copied line runs long). A chain-shaped offer, (2,) + (1,) * 11, did worse
+    # at batch 1 and no better at batch 4 (bench/results/budget-cpu, docs/benchmarks.md).
+    budget_offer: tuple[int, ...] = (4, 2, 2) + (1,) * 9
 
     def propose(self, contexts: list[list[int]], shape: TreeShape) -> list[DraftTree]:
         return [self._propose_one(ctx, shape) for ctx in contexts]
