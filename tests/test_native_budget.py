@@ -165,7 +165,7 @@ def test_a_sequence_that_keeps_rejecting_gets_no_nodes_beside_a_greedy_one(targe
     greedy = [s.nodes_per_seq[0] for s in late]
     hot = [s.nodes_per_seq[1] for s in late]
     assert sum(s.accepted_per_seq[0] for s in steps) > 20, "the greedy sequence accepted too little to test"
-    assert sum(greedy) / len(late) > 1.0
+    assert sum(g > 0 for g in greedy) >= 0.2 * len(late), greedy  # drafted whenever prompt lookup matched
     assert sum(h == 0 for h in hot) >= 0.8 * len(late), hot  # the rest: the cost fit's exploration steps
     assert sum(hot) < 0.25 * sum(greedy)
 
