@@ -146,14 +146,14 @@ class ControllerCore:
     def _decide(self, replica_id: str, costs: CostTable, expected: np.ndarray, now: float) -> Decision:
         rep = self.replicas[replica_id]
         dep = self.deployments[rep.model_id]
-        decision = search_policy(
+        models = search_policy(
             costs, expected, rate=rep.rate or 0.0, output_tokens=rep.output_tokens or 128.0,
             objective=self.objective, current=rep.policy_in_force, hysteresis=self.config.hysteresis,
             version=max(time.time_ns() // 1_000_000, rep.policy_in_force.version + 1),
             replica_id=replica_id)
-        decision = self._budgets(decision, rep)
+        decision = self._budgets(models, rep)
         decision = self._guard(decision, rep)
-        decision = self._explore(decision, rep, dep, now)
+        decision = self._explore(decision, rep, dep, now, models.policy)
         rep.decision = decision
         if rep.first_decision_at is None:
             rep.first_decision_at = now
@@ -188,14 +188,15 @@ class ControllerCore:
         policy = decision.policy.with_configs(lo, hi, safe)
         return decision.model_copy(update={"policy": policy, "changed": not policy.same_rules(rep.policy_in_force)})
 
-    def _explore(self, decision: Decision, rep: Replica, dep: Deployment, now: float) -> Decision:
+    def _explore(self, decision: Decision, rep: Replica, dep: Deployment, now: float,
+                 models_policy: SpecPolicy) -> Decision:
         """Run another config than the chosen one for one period, in the bucket the replica
         runs in now, when the models (or the safety rule) cannot know the answer without
-        trying."""
+        trying. `models_policy`: what the models chose, before the measured rules."""
         trial = None
         if rep.batch is not None:
             lo, hi = bucket_of(max(int(round(rep.batch)), 1), rep.capabilities.max_batch_size)
-            trial = self._trial(decision.policy.config_for(lo), lo, rep, dep, now)
+            trial = self._trial(decision.policy.config_for(lo), models_policy.config_for(lo), lo, rep, dep, now)
         rep.exploring = trial is not None
         if trial is None:
             return decision
@@ -206,7 +207,8 @@ class ControllerCore:
         policy = decision.policy.with_configs(lo, hi, trial)
         return decision.model_copy(update={"policy": policy, "changed": not policy.same_rules(rep.policy_in_force)})
 
-    def _trial(self, chosen: SpecConfig, lo: int, rep: Replica, dep: Deployment, now: float) -> SpecConfig | None:
+    def _trial(self, chosen: SpecConfig, static: SpecConfig, lo: int, rep: Replica, dep: Deployment,
+               now: float) -> SpecConfig | None:
         """The config to try in bucket `lo` instead of `chosen`, if any:
         - an unmeasured neighbour (k-1, then k+1): the step-time model cannot tell from data
           how a config never seen at this batch would do (a chain3 step at batch 48 says
@@ -226,8 +228,7 @@ class ControllerCore:
         auto = SpecConfig.budget()
         if caps.supports_budgets and chosen != auto and dep.seen.get((lo, auto), 0) < EXPLORE_STEPS:
             return auto
-        if chosen == auto:
-            static = self._static_choice(rep, lo)
+        if chosen == auto:  # `static`: the models' choice, which auto must keep beating
             if (static != auto and now - rep.last_static_check >= self.config.safety_recheck_s
                     and rep.budget.allows_trial(self.config.max_exploration_share)
                     and not rep.measured.measured_recently(lo, static, rep.last_seen)):
@@ -247,13 +248,6 @@ class ControllerCore:
         if chosen.is_off and caps.max_k >= 1 and now - rep.last_probe >= self.config.probe_every_s:
             return SpecConfig.chain(1)
         return None
-
-    def _static_choice(self, rep: Replica, lo: int) -> SpecConfig:
-        """The models' choice for bucket `lo` (what `auto` is measured against)."""
-        decision = search_policy(*self._models_for(rep, rep.last_seen), rate=rep.rate or 0.0,
-                                 output_tokens=rep.output_tokens or 128.0, objective=self.objective,
-                                 current=rep.policy_in_force, hysteresis=self.config.hysteresis)
-        return decision.policy.config_for(lo)
 
     # ------------------------------------------------------------------ upkeep
     def refit_jobs(self) -> dict[str, StepTimeModel]:

@@ -143,7 +143,8 @@ class StepCost:
         tokens = np.asarray(tokens, dtype=float)
         cols = [np.ones_like(tokens), np.full_like(tokens, float(seqs)), tokens]
         cols += [np.maximum(tokens - k, 0.0) for k in COST_KNOTS]
-        cols += [np.asarray(padded_tokens, dtype=float) + 0 * tokens, np.full_like(tokens, context_tokens / 1000.0)]
+        cols += [np.broadcast_to(np.asarray(padded_tokens, dtype=float), tokens.shape),
+                 np.full_like(tokens, context_tokens / 1000.0)]
         return np.stack(cols, axis=-1)
 
     def add(self, duration_s: float, seqs: int, tokens: int, padded_tokens: int, context_tokens: int) -> None:
@@ -198,8 +199,13 @@ def longest_tree(ranked: list[tuple[float, int, int]], seqs: int) -> np.ndarray:
 def select_nodes(probs: list[list[float]], budget: int) -> list[list[int]]:
     """Per sequence, the nodes among the batch's `budget` most likely (ranked_nodes), in node
     order."""
-    kept: list[list[int]] = [[] for _ in probs]
-    for _, s, i in ranked_nodes(probs)[:budget]:
+    return by_sequence(ranked_nodes(probs)[:budget], len(probs))
+
+
+def by_sequence(ranked: list[tuple[float, int, int]], seqs: int) -> list[list[int]]:
+    """The nodes of `ranked` grouped per sequence, in node order."""
+    kept: list[list[int]] = [[] for _ in range(seqs)]
+    for _, s, i in ranked:
         kept[s].append(i)
     return [sorted(k) for k in kept]
 
@@ -208,11 +214,8 @@ def select_nodes(probs: list[list[float]], budget: int) -> list[list[int]]:
 class BudgetPlan:
     """What one budgeted step chose."""
 
-    offered: int  # candidate nodes with p > MIN_P across the batch
     budget: int  # nodes kept (B)
-    explored: bool  # more nodes kept than chosen, to measure longer steps
     predicted: float  # expected draft tokens accepted: the sum of the kept nodes' p, bias correction undone
-    probs: list[list[float]]  # [sequence][kept node] P(accepted) as estimated
     edge_estimates: list[list[float]]  # [sequence][kept node] calibrated edge rate (no sequence factor)
     cells: list[list[tuple[int, ...]]]  # [sequence][kept node] calibration cell
 
@@ -265,15 +268,13 @@ class BudgetPlanner:
         n = len(decode)
         longest = longest_tree(ranked[:cap], n)
         budget = best_budget(sorted_p, n, self.cost.step_seconds(n, context_tokens, longest))
-        explored = self.steps % EXPLORE_EVERY == 0
-        if explored:
+        if self.steps % EXPLORE_EVERY == 0:
             budget = min(cap, 2 * budget + n)
-        kept = select_nodes(probs, budget)
+        kept = by_sequence(ranked[:budget], n)
         trees = [subtree(t, k) for t, k in zip(offers, kept)]
         return trees, BudgetPlan(
             # Before the bias correction: the correction is measured against the raw estimates.
-            offered=len(sorted_p), budget=budget, explored=explored, predicted=sum(sorted_p[:budget]) / bias,
-            probs=[[estimates[s][0][i] for i in k] for s, k in enumerate(kept)],
+            budget=budget, predicted=sum(sorted_p[:budget]) / bias,
             edge_estimates=[[estimates[s][1][i] for i in k] for s, k in enumerate(kept)],
             cells=[[estimates[s][2][i] for i in k] for s, k in enumerate(kept)])
 

@@ -65,13 +65,9 @@ class NgramDrafter:
     def reset_row(self, row: int) -> None:
         pass
 
-    def continuations(self, ctx: list[int], depth: int) -> list[list[int]]:
-        """Token runs that followed earlier occurrences of the longest matching suffix, most
-        recent first."""
-        return self.match(ctx, depth)[1]
-
     def match(self, ctx: list[int], depth: int) -> tuple[int, list[list[int]]]:
-        """(n, runs): the longest suffix length n that occurs earlier, and `continuations`."""
+        """(n, runs): the longest suffix length n that occurs earlier, and the token runs (up to
+        `depth` long) that followed its earlier occurrences, most recent first."""
         if depth == 0 or len(ctx) < self.min_n + 1:
             return 0, []
         seq = torch.tensor(ctx, dtype=torch.long)
