@@ -242,3 +242,26 @@ def resolve_model(reference: str, prepare: bool = True) -> str:
             "an existing folder, or a Hugging Face id (owner/name)"
         )
     return reference  # a Hugging Face id
+
+
+def tokenizer_folder(resolved: str) -> str | None:
+    """Where the tokenizer of a resolved model lives when its own folder has none: a draft
+    distilled by adaspec is saved without one and shares its target's (named in its marker),
+    so it can be served as a target too. None: the model's own."""
+    folder = Path(resolved)
+    marker = folder / DRAFT_MARKER
+    if not marker.is_file() or (folder / "tokenizer.json").is_file():
+        return None
+    return resolve_model(json.loads(marker.read_text())["target"])
+
+
+def attention_heads(resolved: str) -> int | None:
+    """The number of attention heads of a resolved model (folder or hub id), from its
+    transformers config; None when the config cannot be read here (vLLM checks again)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(resolved, local_files_only=Path(resolved).exists())
+    except (OSError, ValueError):
+        return None
+    return getattr(config.get_text_config(), "num_attention_heads", None)

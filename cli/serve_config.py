@@ -33,6 +33,7 @@ def check_serve_config(path: str | Path) -> None:
     from ray.serve.schema import ServeDeploySchema
 
     from adaspec.models import ModelError
+    from serve_app.builder import check_ranks_fit
     from serve_app.config import AppConfig
 
     path = Path(path)
@@ -62,3 +63,8 @@ def check_serve_config(path: str | Path) -> None:
             cfg.resolve_models()
         except ModelError as e:
             raise ConfigError(f"{prefix}{e}") from None
+        try:
+            cfg.check_tensor_parallel()
+            check_ranks_fit(cfg)
+        except ValueError as e:
+            raise ConfigError(f"{path}: {prefix}{e}") from None

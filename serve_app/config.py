@@ -167,7 +167,8 @@ class AppConfig(_Strict):
     accelerator: Literal["cpu", "gpu"] = Field(default="cpu", description="where each replica's engine runs")
     tensor_parallel_size: int = Field(
         default=1, ge=1,
-        description="GPUs per replica (gpu only): one placement-group bundle each, packed on one node",
+        description="tensor-parallel ranks per replica (vllm only): one placement-group bundle each (a GPU, "
+        "or on cpu a core), packed on one node; must divide the model's attention heads",
     )
     num_replicas: int = Field(default=1, ge=1, description="engine replicas (one engine each)")
     autoscaling: AutoscalingSettings | None = Field(
@@ -228,8 +229,6 @@ class AppConfig(_Strict):
             raise ValueError("tree_budget: token trees need engine: native")
         elif any(rule.config.per_request for rule in self.speculation.initial_policy().rules):
             raise ValueError("speculation.policy: per-request budgets (auto, budgetN) need engine: native")
-        if self.accelerator == "cpu" and self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 needs accelerator: gpu")
         if self.autoscaling is not None and self.num_replicas != 1:
             raise ValueError("num_replicas: a fixed replica count and autoscaling exclude each other; "
                              "set autoscaling.min_replicas/max_replicas instead")
@@ -273,6 +272,25 @@ class AppConfig(_Strict):
                 raise ValueError(f"engine_kwargs.{key}: not a vLLM engine argument")
             if key in owned:
                 raise ValueError(f"engine_kwargs.{key}: set by adaspec; use its own config field")
+
+    def check_tensor_parallel(self) -> None:
+        """Reject a tensor_parallel_size that does not divide the attention heads of the
+        target or the draft model (vLLM refuses it too, but only once its engine starts);
+        after resolve_models."""
+        from adaspec.models import attention_heads, resolve_model
+
+        tp = self.tensor_parallel_size
+        if tp == 1:
+            return
+        refs = [("model", self.model)]
+        if self.speculation.draft_model:
+            refs.append(("speculation.draft_model", self.speculation.draft_model))
+        for field, ref in refs:
+            heads = attention_heads(resolve_model(ref, prepare=False))
+            if heads is not None and heads % tp:
+                fits = [n for n in range(1, heads + 1) if heads % n == 0]
+                raise ValueError(f"tensor_parallel_size: {tp} does not divide the {heads} attention heads of "
+                                 f"{field} {ref!r}; sizes that do: {fits}")
 
     def resolve_models(self) -> None:
         """Resolve the target (and draft) model references, preparing embedded ones; a

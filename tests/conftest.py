@@ -156,7 +156,8 @@ def _port_in_use(port: int) -> bool:
 
 
 @contextlib.contextmanager
-def app_in_own_cluster(config: str, port: int, workdir: Path, label: str) -> Iterator[ServeProcess]:
+def app_in_own_cluster(config: str, port: int, workdir: Path, label: str, model: str = MODEL
+                       ) -> Iterator[ServeProcess]:
     """`serve run configs/<config>` in a local Ray cluster of its own (RAY_ADDRESS=local), so it
     can run beside the default app, with a fresh controller checkpoint; stopped afterwards with
     every process it started."""
@@ -167,7 +168,7 @@ def app_in_own_cluster(config: str, port: int, workdir: Path, label: str) -> Ite
                         env={"RAY_ADDRESS": "local", "ADASPEC_CONTROLLER_DIR": str(workdir / "controller")})
     proc.start()
     try:
-        ready_s = proc.wait_ready(MODEL, timeout_s=900)
+        ready_s = proc.wait_ready(model, timeout_s=900)
     except BaseException:
         proc.stop()
         raise

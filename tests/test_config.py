@@ -15,7 +15,7 @@ from starlette.requests import Request
 from cli.serve_config import ConfigError, check_serve_config
 from serve_app.admin_guard import AdminGuard
 from serve_app.ray_llm import OpenAIHTTPException
-from serve_app.builder import build_app, llm_config
+from serve_app.builder import build_app, check_ranks_fit, llm_config
 from serve_app.config import AdminConfig, AppConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,7 +39,7 @@ def no_local_ray_left():
     ({"speculation": {"method": "draft_model"}}, "speculation"),
     ({"max_num_seq": 4}, "max_num_seq"),
     ({"accelerator": "tpu"}, "accelerator"),
-    ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+    ({"engine": "native", "tensor_parallel_size": 2}, "tensor_parallel_size"),
     ({"controller": {"period_s": 0}}, "controller.period_s"),
     ({"speculation": {"policy": "1-2:chain4,3+:auto"}}, "speculation.policy"),  # budgets: native only
 ])
@@ -94,6 +94,49 @@ def test_gpu_app_reserves_one_bundle_per_tensor_parallel_gpu():
     assert config.placement_group_config["bundles"] == [{"GPU": 1, "CPU": 1}] * 2
     assert config.placement_group_config["strategy"] == "STRICT_PACK"
     assert config.engine_kwargs["speculative_config"]["model"] == "meta-llama/Llama-3.2-1B-Instruct"
+
+
+def test_cpu_tp2_app_binds_one_core_per_rank_in_a_packed_placement_group():
+    cfg = AppConfig.from_yaml(str(REPO / "configs" / "app-tp2-cpu.yaml"))
+    cfg.check_tensor_parallel()
+    config = llm_config(cfg)
+    assert config.engine_kwargs["tensor_parallel_size"] == 2
+    assert config.placement_group_config == {"bundles": [{"CPU": 1}] * 2, "strategy": "STRICT_PACK"}
+    ranks = config.runtime_env["env_vars"]["VLLM_CPU_OMP_THREADS_BIND"].split("|")
+    assert len(ranks) == 2 and not set(ranks[0].split(",")) & set(ranks[1].split(","))  # disjoint cores
+    # The draft folder has no tokenizer of its own: its target's is named for vLLM.
+    assert Path(config.engine_kwargs["tokenizer"], "tokenizer.json").is_file()
+
+
+def test_tensor_parallel_size_must_divide_the_attention_heads():
+    with pytest.raises(ValueError, match=r"tensor_parallel_size: 2 does not divide the 9 attention heads of model "
+                                         r"'smollm2-135m-instruct'; sizes that do: \[1, 3, 9\]"):
+        AppConfig(tensor_parallel_size=2).check_tensor_parallel()
+    draft = {"method": "draft_model", "draft_model": "smollm2-135m-instruct-draft"}
+    with pytest.raises(ValueError, match="tensor_parallel_size: 3 does not divide the 4 attention heads of "
+                                         "speculation.draft_model"):
+        AppConfig(tensor_parallel_size=3, speculation=draft).check_tensor_parallel()
+    AppConfig(model="smollm2-135m-instruct-draft", tensor_parallel_size=4).check_tensor_parallel()
+
+
+def test_more_ranks_than_a_node_has_cpus_fail_naming_the_field(monkeypatch):
+    import os
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    check_ranks_fit(AppConfig(tensor_parallel_size=cores))
+    with pytest.raises(ValueError, match=f"tensor_parallel_size: {cores + 1} ranks need one node with {cores + 1} CPUs"):
+        check_ranks_fit(AppConfig(tensor_parallel_size=cores + 1))
+
+
+def test_serve_config_that_cannot_split_the_model_fails_before_any_engine_starts(tmp_path):
+    doc = yaml.safe_load((REPO / "configs" / "app.yaml").read_text())
+    doc["applications"][0]["args"]["tensor_parallel_size"] = 2
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(doc))
+    res = subprocess.run([str(Path(sys.executable).parent / "adaspec"), "serve", str(bad)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "args.tensor_parallel_size: 2 does not divide" in res.stderr, res.stderr
 
 
 def test_build_app_makes_ingress_and_replica_deployments():
