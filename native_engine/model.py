@@ -389,7 +389,8 @@ class CpuLinear(nn.Module):
         self.weight_t = nn.Parameter(w.t().contiguous(), requires_grad=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
         self.packed = None
-        if w.dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        if torch.backends.mkldnn.is_available() and (
+                w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 16)
         self.one_token_path = "gemv"  # or "packed": chosen by measurement (Transformer.prepare_for_serving)
 

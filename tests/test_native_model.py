@@ -76,6 +76,25 @@ def test_prepare_for_serving_keeps_the_logits(arch, tie):
         assert torch.allclose(after, before, atol=1e-5), (after - before).abs().max()
 
 
+@pytest.mark.parametrize("path", ["gemv", "packed"])
+def test_bfloat16_cpu_linear_matches_nn_linear_on_both_paths(path):
+    """bf16 weights get oneDNN's prepacked layout too where the CPU supports bf16 (fp32
+    accumulation): both paths agree with nn.Linear within bf16 rounding of the output."""
+    from native_engine.model import CpuLinear
+
+    if path == "packed" and not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        pytest.skip("this CPU has no oneDNN bf16")
+    linear = torch.nn.Linear(96, 160, bias=False).to(torch.bfloat16)
+    fast = CpuLinear(linear)
+    assert path == "gemv" or fast.packed is not None
+    fast.one_token_path = path  # at one row; several rows take the packed layout whenever there is one
+    for rows in (1, 5):
+        x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+        with torch.no_grad():
+            ref, out = linear(x).float(), fast(x).float()
+        assert torch.allclose(out, ref, atol=2e-2, rtol=1e-2), (path, rows, (out - ref).abs().max())
+
+
 def test_hf_folder_loads_with_tied_embeddings(tmp_path):
     hf, _, cfg = _hf_pair("LlamaForCausalLM", True)
     state = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
