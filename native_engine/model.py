@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from native_engine import linear_choice
 from native_engine.kv_cache import KVCache
+from native_engine.linear_choice import LinearChoice
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -282,7 +283,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self.serving = False  # prepare_for_serving has rearranged the weights
-        self.one_token_path = "default"  # CPU: the CpuLinear path measured fastest at one token
+        self.linear_choice: LinearChoice | None = None  # CPU: the CpuLinear paths, measured per token count
 
     def rope(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Cached cos/sin tables covering at least `length` positions, on the model's device."""
@@ -329,8 +330,10 @@ class Transformer(nn.Module):
           one token (lm_head 4.3 vs 9.2 ms on one thread) but is slow with a few tokens, where
           oneDNN's prepacked matmul is 1.3-1.7x faster (a 5-token verify pass of SmolLM2: 112
           vs 186 ms, one busy thread). It keeps both layouts: twice the weight memory, and the
-          tied lm_head gets copies of its own. Which is faster at one token is measured here
-          (`one_token_path`): on another day the packed one won by 15% on the same machine.
+          tied lm_head gets copies of its own. Up to how many tokens per pass the input-major
+          one is used is measured here, or read from the last measurement on this machine
+          (native_engine/linear_choice.py, `linear_choice`): on another day the packed one won
+          at one token by 15% on the same machine.
 
         Inference only: the state dict no longer has Hugging Face's names, so load, train and
         save before calling this. Calling it twice changes nothing."""
@@ -344,42 +347,24 @@ class Transformer(nn.Module):
                 for name, child in list(module.named_children()):
                     if type(child) is nn.Linear:
                         setattr(module, name, CpuLinear(child))
-            self.one_token_path = self._fastest_one_token_path()
+            linears = [m for m in self.modules() if isinstance(m, CpuLinear)]
+            if all(m.packed is not None for m in linears):
+                self.linear_choice = linear_choice.choose(self, linears, linear_choice.machine_key() + "|" +
+                                                          linear_choice.model_key(self.args, self.lm_head.weight.dtype))
+                for m in linears:
+                    m.gemv_below = self.linear_choice.gemv_below
         self.serving = True
         return self
-
-    @torch.no_grad()
-    def _fastest_one_token_path(self, reps: int = 3) -> str:
-        """Time a one-token forward with each CpuLinear path ("gemv": the input-major weight;
-        "packed": oneDNN's) and keep the faster: which wins depends on the CPU, its BLAS and
-        the model's shapes (both were seen winning on this project's 2-core machine). About
-        2 x (reps + 1) forwards at load time."""
-        linears = [m for m in self.modules() if isinstance(m, CpuLinear)]
-        if not linears or any(m.packed is None for m in linears):
-            return "gemv"
-        tokens, pos = torch.zeros((1, 1), dtype=torch.long), torch.zeros((1, 1), dtype=torch.long)
-        times = {}
-        for path in ("gemv", "packed", "gemv", "packed"):  # interleaved, the first pair warms up
-            for m in linears:
-                m.one_token_path = path
-            start = time.perf_counter()
-            for _ in range(reps):
-                self.logits(self(tokens, pos, None)[:, -1])
-            times[path] = time.perf_counter() - start
-        best = min(times, key=times.get)
-        for m in linears:
-            m.one_token_path = best
-        return best
 
 
 class CpuLinear(nn.Module):
     """A Linear for CPU decoding, its weight kept in two layouts, each the faster one for its
     case on this machine's BLAS (see Transformer.prepare_for_serving):
-    - one token (batch-1 decode, M = 1): input-major [in, out], y = x @ W_t, a GEMV, unless
-      the packed path was measured faster for this model (`one_token_path`);
-    - several tokens (verify passes, batches, prefill): oneDNN's blocked layout, prepacked once
+    - up to `gemv_below` tokens per pass (a batch-1 decode: one): input-major [in, out],
+      y = x @ W_t, a GEMV; `gemv_below` is measured per machine and model (linear_choice);
+    - more tokens (verify passes, batches, prefill): oneDNN's blocked layout, prepacked once
       (`torch.ops.mkldnn`, as vLLM-cpu and torch.compile's CPU backend do); without oneDNN
-      (or for bfloat16), the input-major weight again.
+      (or bfloat16 without oneDNN's bf16), the input-major weight again.
     Twice the weight memory: meant for the small models a CPU serves. `weight` is the usual
     [out, in] view, for code that reads a layer's dtype, device or shape."""
 
@@ -392,7 +377,7 @@ class CpuLinear(nn.Module):
         if torch.backends.mkldnn.is_available() and (
                 w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 16)
-        self.one_token_path = "gemv"  # or "packed": chosen by measurement (Transformer.prepare_for_serving)
+        self.gemv_below = 1  # tokens per pass up to which x @ W_t is used (Transformer.prepare_for_serving measures it)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -400,9 +385,15 @@ class CpuLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if self.packed is None or (rows == 1 and self.one_token_path == "gemv"):
-            y = torch.matmul(x, self.weight_t)
-            return y if self.bias is None else y + self.bias
+        if self.packed is None or rows <= self.gemv_below:
+            return self._gemv(x)
+        return self._packed(x, rows)
+
+    def _gemv(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.matmul(x, self.weight_t)
+        return y if self.bias is None else y + self.bias
+
+    def _packed(self, x: torch.Tensor, rows: int) -> torch.Tensor:
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), self.packed, self.bias, "none", [], "")
         return y.view(*x.shape[:-1], y.shape[-1])
 

@@ -98,9 +98,9 @@ class AdaspecNativeEngine(LLMEngine):
         self._loop = EngineLoop(engine, self.settings.torch_threads)
         self._loop.start()
         logger.info("adaspec: native engine started: %s, %s drafter (max depth %d), %d rows x %d tokens, policy %s, "
-                    "one-token matmuls %s (measured)", self.settings.dtype, self._caps.draft_method, self._caps.max_k,
+                    "matmuls: %s", self.settings.dtype, self._caps.draft_method, self._caps.max_k,
                     self.settings.max_batch_size, self.settings.max_model_len, engine.policy,
-                    engine.model.one_token_path)
+                    engine.model.linear_choice or "one path")
 
     # ------------------------------------------------------------------ control plane
     async def capabilities(self) -> EngineCapabilities:

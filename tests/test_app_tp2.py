@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from adaspec.models import resolve_model, tokenizer_folder
-from tests.conftest import app_in_own_cluster, push_policy, replica_status, set_controller, wait_until
+from tests.conftest import app_in_own_cluster, replica_status, set_controller, wait_until
 from tests.test_live_policy import PROMPTS, REPETITIVE, _drafted_depth, _per_pos_counter, _settled_counter, _steps
 
 pytestmark = pytest.mark.slow

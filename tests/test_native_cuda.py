@@ -13,7 +13,7 @@ import torch
 
 from native_engine.requests import SamplingParams
 from native_engine.testing import reference_greedy
-from tests.test_native_engine import SHAPES, _engine, _run_mixed, draft, prompts, target  # noqa: F401 (fixtures)
+from tests.test_native_engine import SHAPES, _engine, _run_mixed, make_draft, make_prompts, make_target
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -22,10 +22,17 @@ JOIN_AT = [0, 0, 1, 3, 4, 9]
 
 
 @pytest.fixture(scope="module")
-def on_cuda(target, draft):
-    # Module.to moves in place: copies, so the CPU fixtures stay as they are.
+def on_cuda():
+    target = make_target()
+    draft = make_draft(target)
+    # Module.to moves in place: a copy per dtype.
     return {dtype: (copy.deepcopy(target).to("cuda", dtype), copy.deepcopy(draft).to("cuda", dtype))
             for dtype in (torch.float32, torch.bfloat16)}
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return make_prompts()
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "draft_model"])

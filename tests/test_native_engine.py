@@ -25,21 +25,33 @@ SHAPES = ["off", "chain1", "chain4", "tree2x2", "tree4x2x2x1", "tree3x3x2@10",  
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.fixture(scope="module")
-def target():
+def make_target():
     # init_std 0.15 makes a random model repeat itself, so n-gram drafts get accepted.
     return build_model(tiny_args(vocab_size=64), seed=1, init_std=0.15)
 
 
+def make_draft(target):
+    return noisy_copy(target, 0.1, seed=2)  # agrees with the target often, not always
+
+
+def make_prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 64, (n,), generator=gen).tolist() for n in (5, 11, 3, 8, 17, 6)]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target()
+
+
 @pytest.fixture(scope="module")
 def draft(target):
-    return noisy_copy(target, 0.1, seed=2)  # agrees with the target often, not always
+    return make_draft(target)
 
 
 @pytest.fixture(scope="module")
 def prompts():
-    gen = torch.Generator().manual_seed(0)
-    return [torch.randint(0, 64, (n,), generator=gen).tolist() for n in (5, 11, 3, 8, 17, 6)]
+    return make_prompts()
 
 
 @pytest.fixture(scope="module")

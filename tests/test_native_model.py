@@ -87,7 +87,7 @@ def test_bfloat16_cpu_linear_matches_nn_linear_on_both_paths(path):
     linear = torch.nn.Linear(96, 160, bias=False).to(torch.bfloat16)
     fast = CpuLinear(linear)
     assert path == "gemv" or fast.packed is not None
-    fast.one_token_path = path  # at one row; several rows take the packed layout whenever there is one
+    fast.gemv_below = 1 if path == "gemv" else 0  # several rows take the packed layout whenever there is one
     for rows in (1, 5):
         x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
         with torch.no_grad():

@@ -1,0 +1,79 @@
+"""The matmul path of a CPU model's linears is measured per token count, not assumed, and the
+measurement is cached per machine and model (native_engine/linear_choice.py)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from native_engine import linear_choice
+from native_engine.linear_choice import TOKEN_COUNTS
+from native_engine.model import CpuLinear, build_model
+from native_engine.testing import tiny_args
+
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN: one path only")]
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("ADASPEC_CACHE_DIR", str(tmp_path))
+
+
+def _slowed(method):
+    def slow(self, *args):
+        time.sleep(0.0005)  # per linear call: a forward of the tiny model makes 9 of them
+        return method(self, *args)
+    return slow
+
+
+def _linears(model) -> list[CpuLinear]:
+    return [m for m in model.modules() if isinstance(m, CpuLinear)]
+
+
+def test_the_faster_path_is_chosen_when_the_other_is_made_slow(monkeypatch):
+    model = build_model(tiny_args(), seed=1).prepare_for_serving()
+    with monkeypatch.context() as m:
+        m.setattr(CpuLinear, "_packed", _slowed(CpuLinear._packed))
+        choice = linear_choice.measure(model, _linears(model))
+    assert choice.gemv_below == max(TOKEN_COUNTS), choice
+    assert all(choice.times_ms["gemv"][t] < choice.times_ms["packed"][t] for t in TOKEN_COUNTS)
+    with monkeypatch.context() as m:
+        m.setattr(CpuLinear, "_gemv", _slowed(CpuLinear._gemv))
+        choice = linear_choice.measure(model, _linears(model))
+    assert choice.gemv_below == 0, choice
+
+
+def test_preparing_a_model_applies_the_choice_and_a_restart_reads_it_from_the_cache(monkeypatch):
+    model = build_model(tiny_args(), seed=1).prepare_for_serving()
+    first = model.linear_choice
+    assert first is not None and not first.cached
+    assert {m.gemv_below for m in _linears(model)} == {first.gemv_below}
+    assert linear_choice.cache_file().is_file()
+
+    def no_measuring(*args):
+        raise AssertionError("measured again despite the cache")
+
+    monkeypatch.setattr(linear_choice, "measure", no_measuring)
+    again = build_model(tiny_args(), seed=2).prepare_for_serving()  # same shape and dtype, other weights
+    assert again.linear_choice.cached and again.linear_choice.gemv_below == first.gemv_below
+    assert str(again.linear_choice).endswith("(cached)")
+    with pytest.raises(AssertionError, match="measured again"):  # another shape is measured
+        build_model(tiny_args(vocab_size=50), seed=2).prepare_for_serving()
+
+
+def test_both_paths_give_the_same_logits():
+    model = build_model(tiny_args(), seed=3, init_std=0.1).prepare_for_serving()
+    tokens = torch.tensor([[5, 1, 4]])
+    pos = torch.arange(3)[None]
+    from native_engine.model import causal_mask
+
+    out = {}
+    with torch.no_grad():
+        for gemv_below in (0, 8):
+            for m in _linears(model):
+                m.gemv_below = gemv_below
+            out[gemv_below] = model.logits(model(tokens, pos, causal_mask(torch.tensor([3]), 3)))
+    assert torch.allclose(out[0], out[8], atol=1e-5)
