@@ -92,8 +92,9 @@ def choose(model, linears: list, key: str) -> LinearChoice:
 
 
 @torch.no_grad()
-def measure(model, linears: list) -> LinearChoice:
-    """Time forwards of TOKEN_COUNTS tokens with every linear on each path, interleaved."""
+def measure(model, linears: list, clock=time.perf_counter) -> LinearChoice:
+    """Time forwards of TOKEN_COUNTS tokens with every linear on each path, interleaved;
+    `clock` gives seconds."""
     from native_engine.model import causal_mask
 
     times: dict[str, dict[int, float]] = {"gemv": {}, "packed": {}}
@@ -106,10 +107,10 @@ def measure(model, linears: list) -> LinearChoice:
             for path in ("gemv", "packed") if rep % 2 == 0 else ("packed", "gemv"):
                 for m in linears:
                     m.gemv_below = tokens if path == "gemv" else 0
-                start = time.perf_counter()
+                start = clock()
                 model.logits(model(ids, pos, mask)[:, -1])
                 if rep > 0:  # the first of each is a warm-up
-                    best[path] = min(best[path], time.perf_counter() - start)
+                    best[path] = min(best[path], clock() - start)
         for path in best:
             times[path][tokens] = 1e3 * best[path]
     gemv_below = 0

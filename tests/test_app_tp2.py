@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -20,8 +19,8 @@ import psutil
 import pytest
 
 from adaspec.models import resolve_model, tokenizer_folder
-from tests.conftest import app_in_own_cluster, replica_status, set_controller, wait_until
-from tests.test_live_policy import PROMPTS, REPETITIVE, _drafted_depth, _per_pos_counter, _settled_counter, _steps
+from tests.conftest import app_in_own_cluster, complete, replica_status, set_controller, wait_until
+from tests.test_live_policy import PROMPTS, REPETITIVE, _drafted_depth, _steps, check_acceptance_agrees_with_vllm
 
 pytestmark = pytest.mark.slow
 
@@ -45,11 +44,7 @@ def client(tp_server):
 
 
 def _complete(client: httpx.Client, prompt: str, max_tokens: int = 32) -> dict:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}
-    resp = client.post("/v1/completions", json=body)
-    assert resp.status_code == 200, resp.text
-    return resp.json()
+    return complete(client, prompt, max_tokens, model=MODEL, ignore_eos=True, return_token_ids=True)
 
 
 def _rank_processes() -> list[str]:
@@ -93,25 +88,7 @@ def test_policy_set_changes_k_live_and_steps_agree_with_vllm_counters(tp_server,
             assert steps and {s["config"] for s in steps} == {table}
             assert max(_drafted_depth(s) for s in steps) == depth
 
-        name = "ray_vllm_spec_decode_num_accepted_tokens_per_pos_total"
-        before = _settled_counter(tp_server, name)
-        start = time.time()
-        for prompt in PROMPTS:
-            _complete(client, prompt, max_tokens=40)
-        ours: dict[int, int] = {}
-        for s in _steps(client, since=start):
-            for pos, n in enumerate(s["accepted_per_pos"]):
-                ours[pos] = ours.get(pos, 0) + n
-        assert sum(ours.values()) > 0, "nothing was accepted; the check would be empty"
-
-        def theirs() -> dict[int, int]:
-            after = _per_pos_counter(tp_server.metrics_text(), name)
-            delta = {p: int(after.get(p, 0) - before.get(p, 0)) for p in set(after) | set(ours)}
-            return {p: n for p, n in delta.items() if n or p in ours}
-
-        wait_until(lambda: sum(theirs().values()) >= sum(ours.values()),
-                   f"vLLM's accepted-token counters reaching adaspec's {sum(ours.values())}")
-        assert theirs() == ours, f"vLLM counted {theirs()}, adaspec telemetry {ours}"
+        check_acceptance_agrees_with_vllm(tp_server, client, lambda prompt: _complete(client, prompt, max_tokens=40))
     finally:
         set_controller(client, "resume")
 

@@ -3,8 +3,6 @@ measurement is cached per machine and model (native_engine/linear_choice.py)."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -22,11 +20,21 @@ def own_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("ADASPEC_CACHE_DIR", str(tmp_path))
 
 
-def _slowed(method):
-    def slow(self, *args):
-        time.sleep(0.0005)  # per linear call: a forward of the tiny model makes 9 of them
-        return method(self, *args)
-    return slow
+class SlowPathClock:
+    """A clock that only the slowed path moves: each call of it costs one second, everything
+    else nothing, so which path is faster does not depend on the machine."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def slowed(self, method):
+        def slow(linear, *args):
+            self.now += 1.0
+            return method(linear, *args)
+        return slow
 
 
 def _linears(model) -> list[CpuLinear]:
@@ -36,13 +44,15 @@ def _linears(model) -> list[CpuLinear]:
 def test_the_faster_path_is_chosen_when_the_other_is_made_slow(monkeypatch):
     model = build_model(tiny_args(), seed=1).prepare_for_serving()
     with monkeypatch.context() as m:
-        m.setattr(CpuLinear, "_packed", _slowed(CpuLinear._packed))
-        choice = linear_choice.measure(model, _linears(model))
+        clock = SlowPathClock()
+        m.setattr(CpuLinear, "_packed", clock.slowed(CpuLinear._packed))
+        choice = linear_choice.measure(model, _linears(model), clock)
     assert choice.gemv_below == max(TOKEN_COUNTS), choice
     assert all(choice.times_ms["gemv"][t] < choice.times_ms["packed"][t] for t in TOKEN_COUNTS)
     with monkeypatch.context() as m:
-        m.setattr(CpuLinear, "_gemv", _slowed(CpuLinear._gemv))
-        choice = linear_choice.measure(model, _linears(model))
+        clock = SlowPathClock()
+        m.setattr(CpuLinear, "_gemv", clock.slowed(CpuLinear._gemv))
+        choice = linear_choice.measure(model, _linears(model), clock)
     assert choice.gemv_below == 0, choice
 
 
