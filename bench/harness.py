@@ -25,6 +25,7 @@ from adaspec.datasets import Prompt, load_prompts
 from adaspec.models import ModelError, resolve_model
 from bench.metrics import BenchMetrics, summarize
 from bench.replica_probe import ReplicaProbe, TelemetryTrace
+from serve_app.admin_client import QUIET_LOGGERS
 
 
 class BenchError(RuntimeError):
@@ -107,7 +108,7 @@ async def bench_prompts(settings: BenchSettings, prompts: list[Prompt], offsets:
     """Run `prompts` at `offsets` (seconds) with the replica probe on: decoding as
     settings.samplings says, each asking for at most its reply length (or exactly max_tokens
     when synthetic)."""
-    for name in ("httpx", "openai"):  # one INFO line per request otherwise
+    for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
     mix = settings.request_mix
     caps = settings.max_tokens if mix.ignore_eos else reply_token_caps(prompts, model, settings.max_tokens)

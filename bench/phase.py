@@ -84,34 +84,63 @@ def segment_tpot(requests: list[RequestResult], starts: list[float], end: float)
 
 
 def run_phase_change(sweep, trace: str) -> dict:
-    """Run the trace under every policy of `sweep` (a bench.sweep.Sweep) on its deployment."""
+    """Run the trace under every policy of `sweep` (a bench.sweep.Sweep) on its deployment,
+    `sweep.s.rounds` times: each round draws new prompts and arrival times (seed + round), the
+    same for every policy in it, and runs the policies in an order rotated from round to round
+    (bench/policies.interleaved). Per policy: per-round TPOTs (`rounds_tpots_s`) for the
+    verdict's held-out rounds, and segment means over every round."""
     from bench.sweep import apply_policy
 
     segments = parse_trace(trace)
-    prompts, offsets, starts = trace_workload(segments, sweep.s.seed, sweep.s.burstiness)
     end = sum(s.duration_s for s in segments)
-    runs = {}
-    for policy in interleaved(sweep.policies, 1):
-        settings = BenchSettings(url=sweep.url, dataset="+".join(sorted({s.dataset for s in segments})),
-                                 rate=len(prompts) / end, num_prompts=len(prompts), max_tokens=sweep.s.max_tokens,
-                                 seed=sweep.s.seed, request_mix=sweep.s.request_mix, slo_ttft_s=sweep.s.slo_ttft_s,
-                                 slo_tpot_s=sweep.s.slo_tpot_s, label=f"phase-{policy.name}")
-        apply_policy(sweep.url, policy, sweep.start_table)
-        result = asyncio.run(bench_prompts(settings, prompts, offsets, sweep.model, progress=False))
-        requests = [RequestResult(**r) for r in result.requests]
-        run = {"policy": policy.name, "metrics": result.metrics.model_dump(mode="json"),
-               "segment_tpot_s": segment_tpot(requests, starts, end),
-               "tpots_s": [t for r in requests if r.ok and (t := tpot_s(r)) is not None],
-               "telemetry": {"mean_k": result.telemetry.mean_k,
-                             "mean_accepted_length": result.telemetry.mean_accepted_length,
-                             "acceptance_rate": result.telemetry.acceptance_rate,
-                             "policies_seen": result.telemetry.policies_seen}}
-        if policy.adaptive:
-            run["settle"] = settle_times(result.telemetry.policy_changes, starts, end)
-            run["timeline"] = [p.model_dump(mode="json") for p in result.telemetry.timeline]
-            run["policy_changes"] = [c.model_dump(mode="json") for c in result.telemetry.policy_changes]
-        runs[policy.name] = run
-        sweep.log(f"phase-change {policy.name}: mean TPOT per segment "
-                  + ", ".join("-" if t is None else f"{1000 * t:.0f} ms" for t in run["segment_tpot_s"]))
+    rounds = max(sweep.s.rounds, 1)
+    per_policy: dict[str, list[dict]] = {p.name: [] for p in sweep.policies}
+    total, done = rounds * len(sweep.policies), 0
+    for round_index in range(rounds):
+        prompts, offsets, starts = trace_workload(segments, sweep.s.seed + round_index, sweep.s.burstiness)
+        for policy in interleaved(sweep.policies, round_index):
+            settings = BenchSettings(url=sweep.url, dataset="+".join(sorted({s.dataset for s in segments})),
+                                     rate=len(prompts) / end, num_prompts=len(prompts),
+                                     max_tokens=sweep.s.max_tokens, seed=sweep.s.seed + round_index,
+                                     request_mix=sweep.s.request_mix, slo_ttft_s=sweep.s.slo_ttft_s,
+                                     slo_tpot_s=sweep.s.slo_tpot_s, label=f"phase-{policy.name}")
+            apply_policy(sweep.url, policy, sweep.start_table)
+            result = asyncio.run(bench_prompts(settings, prompts, offsets, sweep.model, progress=False))
+            requests = [RequestResult(**r) for r in result.requests]
+            run = {"policy": policy.name, "round": round_index, "requests": len(prompts), "metrics": result.metrics.model_dump(mode="json"),
+                   "segment_tpot_s": segment_tpot(requests, starts, end),
+                   "tpots_s": [t for r in requests if r.ok and (t := tpot_s(r)) is not None],
+                   "telemetry": {"mean_k": result.telemetry.mean_k,
+                                 "mean_accepted_length": result.telemetry.mean_accepted_length,
+                                 "acceptance_rate": result.telemetry.acceptance_rate,
+                                 "policies_seen": result.telemetry.policies_seen}}
+            if policy.adaptive:
+                run["settle"] = settle_times(result.telemetry.policy_changes, starts, end)
+                run["timeline"] = [p.model_dump(mode="json") for p in result.telemetry.timeline]
+                run["policy_changes"] = [c.model_dump(mode="json") for c in result.telemetry.policy_changes]
+            per_policy[policy.name].append(run)
+            done += 1
+            sweep.log(f"[phase {done}/{total}] round {round_index + 1} {policy.name}: mean TPOT per segment "
+                      + ", ".join("-" if t is None else f"{1000 * t:.0f} ms" for t in run["segment_tpot_s"]))
     return {"trace": trace, "segments": [asdict(s) for s in segments], "segment_starts_s": starts,
-            "requests": len(prompts), "runs": runs}
+            "requests": sum(r["requests"] for r in per_policy[sweep.policies[0].name]), "rounds": rounds,
+            "runs": {name: merge_rounds(runs) for name, runs in per_policy.items()}}
+
+
+def merge_rounds(runs: list[dict]) -> dict:
+    """One policy's phase-change result over its rounds: segment means over the rounds, every
+    round's TPOTs (`rounds_tpots_s`, for held-out verdicts; `tpots_s` pooled), the adaptive
+    run's settle times and timeline from its first round, and each round in `per_round`."""
+    first = runs[0]
+    segments = zip(*(r["segment_tpot_s"] for r in runs))
+    merged = {"policy": first["policy"], "metrics": first["metrics"],
+              "segment_tpot_s": [statistics.fmean(v) if (v := [t for t in seg if t is not None]) else None
+                                 for seg in segments],
+              "tpots_s": [t for r in runs for t in r["tpots_s"]],
+              "rounds_tpots_s": [r["tpots_s"] for r in runs],
+              "telemetry": first["telemetry"],
+              "per_round": [{k: r[k] for k in ("round", "segment_tpot_s", "telemetry")} for r in runs]}
+    for key in ("settle", "timeline", "policy_changes"):
+        if key in first:
+            merged[key] = first[key]
+    return merged

@@ -34,7 +34,7 @@ def split_rounds(n: int) -> tuple[list[int], list[int]]:
     return list(range(half)), list(range(half, n))
 
 
-def _pooled_mean(rounds: Rounds) -> float:
+def pooled_mean(rounds: Rounds) -> float:
     values = [v for r in rounds for v in r]
     return sum(values) / len(values) if values else float("inf")
 
@@ -58,14 +58,14 @@ def sweep_verdicts(tpots: dict[Point, dict[str, Rounds]], adaptive: str = "adapt
         statics = {p: r for p, r in row.items() if p != adaptive and len(r) == n}
         if not statics:
             continue
-        oracle = min(statics, key=lambda p: _pooled_mean([statics[p][i] for i in select]))
+        oracle = min(statics, key=lambda p: pooled_mean([statics[p][i] for i in select]))
         vs_oracle = bootstrap_ratio([statics[oracle][i] for i in score], [row[adaptive][i] for i in score], mean,
                                     resamples=resamples)
         entry = {"dataset": point[0], "rate": point[1], "rounds": n, "selection_rounds": select,
                  "scoring_rounds": score, "oracle": oracle,
                  "vs_oracle": _interval_dict(vs_oracle, ORACLE_GOAL),
-                 "adaptive_tpot_s": _pooled_mean(row[adaptive]),
-                 "tpot_s": {p: _pooled_mean(r) for p, r in statics.items()}}
+                 "adaptive_tpot_s": pooled_mean(row[adaptive]),
+                 "tpot_s": {p: pooled_mean(r) for p, r in statics.items()}}
         if off in statics:
             entry["vs_off"] = _interval_dict(bootstrap_ratio(statics[off], row[adaptive], mean, resamples=resamples),
                                              OFF_GOAL)

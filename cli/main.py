@@ -342,7 +342,12 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
     if not Path(args.config).is_file():
         raise UsageError(f"--config: no such file {args.config!r}")
-    rates = _rate_list(args.rates, "--rates")
+    if args.rates.strip().lower() == "none":  # the phase-change trace alone
+        if not args.phase_trace:
+            raise UsageError("--rates none: only with --phase-trace (then the sweep runs the trace alone)")
+        rates = []
+    else:
+        rates = _rate_list(args.rates, "--rates")
     datasets = _name_list(args.dataset, "--dataset", DATASETS)
     _positive(args.num_prompts, "--num-prompts")
     _positive(args.rounds, "--rounds")
@@ -541,7 +546,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default="configs/app.yaml", help="Ray Serve config to start (a copy is used)")
     p.add_argument("--policies", default="off,chain1,chain2,chain3,chain4,table:profiled,adaptive",
                    help='off, chainK, table:profiled, table:"1-2:chain4,3+:off", adaptive')
-    p.add_argument("--rates", default="0.5,1,2,inf", help="requests per second, comma-separated")
+    p.add_argument("--rates", default="0.5,1,2,inf",
+                   help="requests per second, comma-separated; `none` with --phase-trace: the trace alone")
     p.add_argument("--dataset", default="sharegpt", help=f"comma-separated, of: {', '.join(DATASETS)}")
     p.add_argument("--num-prompts", type=int, default=32, help="prompts per run")
     p.add_argument("--rounds", type=int, default=3,
@@ -562,7 +568,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    for name in admin_client.QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -8,6 +8,10 @@ from adaspec.policy import PolicyAck
 from adaspec.telemetry import ReplicaTelemetry, summarize_acceptance
 from controller.view import ControllerView
 
+# HTTP client loggers that log one INFO line per request: the CLI and the benchmarks keep them
+# at WARNING (the openai client runs on httpx2, the admin client on httpx).
+QUIET_LOGGERS = ("httpx", "httpx2", "openai")
+
 
 class AdminError(RuntimeError):
     """The admin route answered with an error, or could not be reached."""
