@@ -82,3 +82,18 @@ def memory_bandwidth_gbs(nbytes: int = 1 << 29, repeats: int = 5) -> float:
         dst.copy_(src)
         best = min(best, time.perf_counter() - t)
     return 2 * nbytes / best / 1e9
+
+
+def read_bandwidth_gbs(nbytes: int = 1 << 29, repeats: int = 5) -> float:
+    """Best-of read bandwidth (bytes read per second): a sum over a large float32 tensor. A
+    decode step mostly reads weights, so this is its floor; a copy also writes."""
+    import torch
+
+    src = torch.ones(nbytes // 4)
+    src.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        src.sum()
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best / 1e9

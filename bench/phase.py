@@ -130,7 +130,7 @@ def run_phase_change(sweep, trace: str) -> dict:
 def merge_rounds(runs: list[dict]) -> dict:
     """One policy's phase-change result over its rounds: segment means over the rounds, every
     round's TPOTs (`rounds_tpots_s`, for held-out verdicts; `tpots_s` pooled), the adaptive
-    run's settle times and timeline from its first round, and each round in `per_round`."""
+    run's settle times and timeline from its first round (each round's settle times in `per_round`)."""
     first = runs[0]
     segments = zip(*(r["segment_tpot_s"] for r in runs))
     merged = {"policy": first["policy"], "metrics": first["metrics"],
@@ -139,7 +139,8 @@ def merge_rounds(runs: list[dict]) -> dict:
               "tpots_s": [t for r in runs for t in r["tpots_s"]],
               "rounds_tpots_s": [r["tpots_s"] for r in runs],
               "telemetry": first["telemetry"],
-              "per_round": [{k: r[k] for k in ("round", "segment_tpot_s", "telemetry")} for r in runs]}
+              "per_round": [{k: r[k] for k in ("round", "segment_tpot_s", "telemetry", "settle") if k in r}
+                            for r in runs]}
     for key in ("settle", "timeline", "policy_changes"):
         if key in first:
             merged[key] = first[key]

@@ -145,3 +145,25 @@ def test_speculation_is_compared_with_the_faster_off_run():
     assert summary["best"][1]["off"] == 20.0 and summary["best"][1]["best_tree"] == "tree@4"
     assert math.isclose(summary["roofline"]["measured_batch1_step_ms"], 50.0)
     assert math.isclose(summary["roofline"]["fraction"], 25.0 / 50.0)  # 25 MB at 1 GB/s = 25 ms
+
+
+def test_step_profile_splits_a_real_decode_step_into_parts(tmp_path):
+    """bench.step_profile on the default model, a few steps: the parts add up to the profiled
+    step, the linears land in `matmul`, and the bandwidth summary follows from them."""
+    import torch
+
+    from bench.step_profile import PARTS, part_of, plot, profile_dtype, summarize
+
+    assert part_of("mkldnn::_linear_pointwise") == part_of("aten::addmm") == "matmul"
+    assert part_of("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
+    assert part_of("aten::rms_norm") == "other ops"
+    run = profile_dtype(torch.float32, steps=3)
+    parts = run["parts_ms"]
+    assert set(parts) == set(PARTS) and all(v >= 0 for v in parts.values())
+    assert math.isclose(sum(parts.values()), run["profiled_step_ms"], rel_tol=0.02) or parts["outside ops"] == 0
+    assert parts["matmul"] > 0 and any(part_of(o["op"]) == "matmul" for o in run["top_ops"])
+    run["summary"] = summary = summarize(run, read_gbs=20.0)
+    assert math.isclose(summary["limit_ms"], run["weight_bytes"] / 20e6)
+    assert math.isclose(summary["matmul_gbs"], run["weight_bytes"] / parts["matmul"] / 1e6)
+    plot([run], tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 1000

@@ -1,0 +1,164 @@
+"""Where the time of one native decode step goes, against the memory-bandwidth limit.
+
+For each dtype (float32, and bfloat16 where oneDNN runs it), the default model at batch 1 with
+no speculation, greedy: the median step time over `--steps` decode steps, then a
+torch.profiler profile of as many more, its ops grouped into
+- matmuls (the linears: oneDNN's packed matmul or a BLAS gemv),
+- attention (scaled_dot_product_attention),
+- other ops (RMSNorm, RoPE, KV-cache writes, activations, residual adds, views, copies),
+- outside any op: Python, the engine's scheduling, sampling (the profiled step's wall time
+  minus the ops' own time);
+and the limit: the weight bytes a step reads / the machine's read bandwidth (a sum over a
+large tensor, best of 5; the copy bandwidth that bench.native_engine's roofline uses counts
+a write too). The matmuls' own bandwidth (weight bytes / matmul time) says how far the
+kernels are from streaming at that rate; the rest of the step is overhead a faster kernel
+would not remove. The profiler adds a little time to every op: the shares come from the
+profiled steps, the step time from the unprofiled ones.
+
+Prints a table, writes {out}/step_profile.json and step_profile.png. Not a test; about two
+minutes on an idle machine.
+
+    .venv/bin/python -m bench.step_profile [--threads 2] [--steps 30] [--out bench/results/native-cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench import machine
+from bench.native_engine import streamed_weight_bytes
+from native_engine.engine import EngineConfig, NativeEngine
+from native_engine.requests import SamplingParams
+
+MODEL = "smollm2-135m-instruct"
+PROMPT = "Write a long story about a dragon who learns to read, told by the dragon."
+MATMUL_OPS = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm", "aten::mv", "aten::addmv",
+              "aten::dot"}
+PARTS = ("matmul", "attention", "other ops", "outside ops")
+
+
+def part_of(op: str) -> str:
+    if op in MATMUL_OPS:
+        return "matmul"
+    if "scaled_dot_product" in op:
+        return "attention"
+    return "other ops"
+
+
+def profile_dtype(dtype: torch.dtype, steps: int) -> dict:
+    """Median unprofiled step (ms) and the profiled steps' time per part (ms per step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = NativeEngine.from_pretrained(MODEL, drafter="none", dtype=dtype,
+                                          config=EngineConfig(max_batch_size=1, max_seq_len=1024))
+    engine.add_request("r", PROMPT, SamplingParams(max_tokens=2 * steps + 20, temperature=0.0, ignore_eos=True))
+    for _ in range(5):  # prefill and warm-up
+        engine.step()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        profiled_s = time.perf_counter() - t
+    parts = dict.fromkeys(PARTS, 0.0)
+    ops = []
+    for evt in prof.key_averages():
+        self_ms = evt.self_cpu_time_total / 1000 / steps
+        parts[part_of(evt.key)] += self_ms
+        ops.append({"op": evt.key, "calls_per_step": evt.count / steps, "self_ms_per_step": self_ms})
+    parts["outside ops"] = max(1000 * profiled_s / steps - sum(parts.values()), 0.0)
+    ops.sort(key=lambda o: -o["self_ms_per_step"])
+    weights = streamed_weight_bytes(engine.model)
+    return {"dtype": str(dtype).removeprefix("torch."), "step_ms": 1000 * statistics.median(times),
+            "profiled_step_ms": 1000 * profiled_s / steps, "parts_ms": parts, "weight_bytes": weights,
+            "ops_per_step": sum(o["calls_per_step"] for o in ops), "top_ops": ops[:12],
+            "linear_choice": str(engine.model.linear_choice)}
+
+
+def summarize(run: dict, read_gbs: float) -> dict:
+    limit_ms = run["weight_bytes"] / read_gbs / 1e6
+    matmul_ms = run["parts_ms"]["matmul"]
+    return {"limit_ms": limit_ms, "fraction_of_limit": limit_ms / run["step_ms"],
+            "matmul_gbs": run["weight_bytes"] / matmul_ms / 1e6 if matmul_ms else None,
+            "shares": {p: ms / run["profiled_step_ms"] for p, ms in run["parts_ms"].items()}}
+
+
+def plot(runs: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 1.8 + 0.8 * len(runs)))
+    colors = {"matmul": "tab:blue", "attention": "tab:orange", "other ops": "tab:green", "outside ops": "tab:gray"}
+    for i, run in enumerate(runs):
+        left = 0.0
+        scale = run["step_ms"] / run["profiled_step_ms"]  # parts drawn to the unprofiled step's length
+        for part in PARTS:
+            width = run["parts_ms"][part] * scale
+            ax.barh(i, width, left=left, color=colors[part], label=part if i == 0 else None)
+            left += width
+        ax.plot([run["summary"]["limit_ms"]] * 2, [i - 0.4, i + 0.4], color="black", linewidth=2,
+                label="weights / read bandwidth" if i == 0 else None)
+    ax.set_yticks(range(len(runs)), [r["dtype"] for r in runs])
+    ax.set_xlabel("ms per batch-1 decode step")
+    ax.set_title("Native engine decode step: where the time goes (SmolLM2-135M, no speculation)")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=5, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=30, help="decode steps timed, then as many profiled")
+    parser.add_argument("--out", default="bench/results/native-cpu")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    described = machine.describe()
+    dtypes = [torch.float32]
+    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        dtypes.append(torch.bfloat16)
+    runs = []
+    for dtype in dtypes:
+        print(f"[step_profile] {dtype}: {args.steps} steps timed, {args.steps} profiled", flush=True)
+        runs.append(profile_dtype(dtype, args.steps))
+    read_gbs = machine.read_bandwidth_gbs()
+    for run in runs:
+        run["summary"] = summarize(run, read_gbs)
+    print(f"\nread bandwidth {read_gbs:.1f} GB/s; batch-1 decode step, no speculation, {args.threads} threads")
+    print("| dtype | step ms | limit ms (weights / bandwidth) | % of limit | matmul ms (GB/s) | attention ms | "
+          "other ops ms | outside ops ms | ops per step |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for run in runs:
+        s, p = run["summary"], run["parts_ms"]
+        print(f"| {run['dtype']} | {run['step_ms']:.1f} | {s['limit_ms']:.1f} ({run['weight_bytes'] / 1e6:.0f} MB) | "
+              f"{100 * s['fraction_of_limit']:.0f}% | {p['matmul']:.1f} ({s['matmul_gbs']:.1f}) | "
+              f"{p['attention']:.1f} | {p['other ops']:.1f} | {p['outside ops']:.1f} | {run['ops_per_step']:.0f} |")
+    print("(parts from the profiled steps, which the profiler slows a little: "
+          + ", ".join(f"{r['dtype']} {r['profiled_step_ms']:.1f} ms" for r in runs) + ")")
+    if len(runs) == 2:
+        print(f"bfloat16 / float32 step speed: {runs[0]['step_ms'] / runs[1]['step_ms']:.2f}x")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {"command": "python -m bench.step_profile " + " ".join(f"--{k} {v}" for k, v in vars(args).items()),
+           "machine": {**described, **machine.at_end(described)}, "model": MODEL, "threads": args.threads,
+           "read_bandwidth_gbs": read_gbs, "runs": runs}
+    (out / "step_profile.json").write_text(json.dumps(doc, indent=1))
+    plot(runs, out / "step_profile.png")
+    print(f"wrote {out / 'step_profile.json'} and step_profile.png")
+
+
+if __name__ == "__main__":
+    main()
