@@ -75,13 +75,7 @@ def memory_bandwidth_gbs(nbytes: int = 1 << 29, repeats: int = 5) -> float:
 
     src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
-    return 2 * nbytes / best / 1e9
+    return 2 * nbytes / _best_seconds(lambda: dst.copy_(src), repeats) / 1e9
 
 
 def read_bandwidth_gbs(nbytes: int = 1 << 29, repeats: int = 5) -> float:
@@ -90,10 +84,15 @@ def read_bandwidth_gbs(nbytes: int = 1 << 29, repeats: int = 5) -> float:
     import torch
 
     src = torch.ones(nbytes // 4)
-    src.sum()
+    return nbytes / _best_seconds(src.sum, repeats) / 1e9
+
+
+def _best_seconds(run, repeats: int) -> float:
+    """Shortest of `repeats` timed calls of `run`, after one untimed call (seconds)."""
+    run()
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
-        src.sum()
+        run()
         best = min(best, time.perf_counter() - t)
-    return nbytes / best / 1e9
+    return best

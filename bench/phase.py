@@ -107,7 +107,8 @@ def run_phase_change(sweep, trace: str) -> dict:
             apply_policy(sweep.url, policy, sweep.start_table)
             result = asyncio.run(bench_prompts(settings, prompts, offsets, sweep.model, progress=False))
             requests = [RequestResult(**r) for r in result.requests]
-            run = {"policy": policy.name, "round": round_index, "requests": len(prompts), "metrics": result.metrics.model_dump(mode="json"),
+            run = {"policy": policy.name, "round": round_index, "requests": len(prompts),
+                   "metrics": result.metrics.model_dump(mode="json"),
                    "segment_tpot_s": segment_tpot(requests, starts, end),
                    "tpots_s": [t for r in requests if r.ok and (t := tpot_s(r)) is not None],
                    "telemetry": {"mean_k": result.telemetry.mean_k,
@@ -139,7 +140,7 @@ def merge_rounds(runs: list[dict]) -> dict:
               "tpots_s": [t for r in runs for t in r["tpots_s"]],
               "rounds_tpots_s": [r["tpots_s"] for r in runs],
               "telemetry": first["telemetry"],
-              "per_round": [{k: r[k] for k in ("round", "segment_tpot_s", "telemetry", "settle") if k in r}
+              "per_round": [{k: r[k] for k in ("round", "metrics", "segment_tpot_s", "telemetry", "settle") if k in r}
                             for r in runs]}
     for key in ("settle", "timeline", "policy_changes"):
         if key in first:
