@@ -54,6 +54,18 @@ class SpecConfig(BaseModel):
     max_nodes: int | None = Field(default=None, ge=1,
                                   description="per-request budgets: most draft nodes per step, whole batch")
 
+    # The controller and the simulator compare and look up configs millions of times a
+    # minute; pydantic's generic __eq__ (every field, private and extra state) costs ~10x
+    # comparing the three fields. Equal configs hash alike, as frozen models must.
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SpecConfig):
+            return NotImplemented
+        return self is other or (self.widths == other.widths and self.per_request == other.per_request
+                                 and self.max_nodes == other.max_nodes)
+
+    def __hash__(self) -> int:
+        return hash((self.widths, self.per_request, self.max_nodes))
+
     @model_validator(mode="after")
     def _one_kind(self) -> SpecConfig:
         if self.per_request and self.widths:
@@ -64,24 +76,24 @@ class SpecConfig(BaseModel):
 
     @classmethod
     def off(cls) -> SpecConfig:
-        return cls(widths=())
+        return _shared_config(())
 
     @classmethod
     def chain(cls, k: int) -> SpecConfig:
         if k < 0:
             raise PolicyError(f"chain length must be >= 0, got {k}")
-        return cls(widths=(1,) * k)
+        return _shared_config((1,) * k)
 
     @classmethod
     def tree(cls, widths: tuple[int, ...] | list[int]) -> SpecConfig:
-        return cls(widths=tuple(widths))
+        return _shared_config(tuple(widths))
 
     @classmethod
     def budget(cls, max_nodes: int | None = None) -> SpecConfig:
         """Per-request budgets: `auto` (None) or `budgetN` (at most N nodes per step)."""
         if max_nodes is not None and max_nodes < 1:
             raise PolicyError(f"a node budget must be >= 1, got {max_nodes}")
-        return cls(per_request=True, max_nodes=max_nodes)
+        return _shared_config((), True, max_nodes)
 
     @model_validator(mode="wrap")
     @classmethod
@@ -151,6 +163,12 @@ class SpecConfig(BaseModel):
 def _parse_config(text: str) -> SpecConfig:
     # Configs are frozen, so every reader of "chain4" can share one instance.
     return SpecConfig._parse_uncached(text)
+
+
+@functools.lru_cache(maxsize=4096)
+def _shared_config(widths: tuple[int, ...], per_request: bool = False, max_nodes: int | None = None) -> SpecConfig:
+    # As _parse_config: every maker of chain(4) shares one (validated) instance.
+    return SpecConfig(widths=widths, per_request=per_request, max_nodes=max_nodes)
 
 
 @functools.lru_cache(maxsize=4096)

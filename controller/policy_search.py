@@ -213,7 +213,7 @@ def search_policy(costs: CostTable, expected: np.ndarray, rate: float, output_to
     tps_means, tpot_means = _bucket_means(tokens_per_s, buckets), _bucket_means(tpot, buckets)
     for i, (lo, hi) in enumerate(buckets):
         c = int(choice[lo])
-        out_buckets.append(BucketChoice.model_construct(
+        out_buckets.append(BucketChoice(
             batch_lo=lo, batch_hi=hi, config=costs.configs[c], tokens_per_s=float(tps_means[i, c]),
             tpot_s=float(tpot_means[i, c])))
     policy = SpecPolicy.from_table([costs.configs[c] for c in choice], version=version, replica_id=replica_id)

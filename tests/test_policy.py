@@ -19,6 +19,21 @@ def test_config_round_trip(text, widths, nodes):
     assert cfg.depth == len(widths)
 
 
+def test_equal_configs_compare_and_hash_alike():
+    """SpecConfig's own __eq__/__hash__ (fast, for the controller's lookups) against the fields."""
+    made = [SpecConfig.off(), SpecConfig.chain(2), SpecConfig.tree((2, 1)), SpecConfig.budget(), SpecConfig.budget(8)]
+    validated = [SpecConfig(widths=()), SpecConfig(widths=(1, 1)), SpecConfig(widths=(2, 1)),
+                 SpecConfig(per_request=True), SpecConfig(per_request=True, max_nodes=8)]
+    for a, b in zip(made, validated):
+        assert a == b and hash(a) == hash(b) and a is not b
+        assert SpecConfig.parse(str(a)) == a
+    for i, a in enumerate(made):  # off and auto both have no widths; budget8 differs from auto only by nodes
+        assert [a == b for b in validated] == [i == j for j in range(len(validated))]
+    assert {c: i for i, c in enumerate(made)}[SpecConfig(widths=(1, 1))] == 1
+    assert SpecConfig.chain(2) is SpecConfig.chain(2)  # shared, as parsed ones are
+    assert SpecConfig.off() != "off" and SpecConfig.off() != ()
+
+
 def test_chain_of_width_one_tree_is_a_chain():
     assert str(SpecConfig.parse("tree1x1x1")) == "chain3"
     assert SpecConfig.parse("chain0").is_off

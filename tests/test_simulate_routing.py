@@ -4,6 +4,7 @@ router's choose_replica on the replicas' RoutingStats."""
 
 from __future__ import annotations
 
+import gc
 import json
 import random
 from collections import Counter
@@ -11,7 +12,9 @@ from collections import Counter
 import pytest
 
 from adaspec.policy import SpecPolicy
-from controller.simulate import ROUTINGS, RouteDecision, SimReplica, SimulatedEngine, simulate
+from controller.simulate import (
+    GC_FIRST_GENERATION_THRESHOLD, ROUTINGS, RouteDecision, SimReplica, SimulatedEngine, simulate,
+)
 from controller.step_time import StepTimeModel
 
 # A fleet where routing matters: replica 0's drafter accepts 0.9 per position, the others 0.4
@@ -105,6 +108,20 @@ def test_a_replica_loses_no_arrival(engine):
 def test_routing_is_checked(engine):
     with pytest.raises(ValueError, match="routing must be one of"):
         simulate(engine, 2, 1.0, 1.0, routing="least_loaded")  # type: ignore[arg-type]
+
+
+def test_the_collector_runs_rarely_during_a_run_and_as_before_after_it(engine, monkeypatch):
+    before = gc.get_threshold()
+    seen = []
+    real_report = SimReplica.report
+    monkeypatch.setattr(SimReplica, "report", lambda self, t: seen.append(gc.get_threshold()) or real_report(self, t))
+    _run(engine, "random", duration_s=3.0)
+    assert seen and all(t[0] == GC_FIRST_GENERATION_THRESHOLD for t in seen), seen[:3]
+    assert gc.get_threshold() == before
+    monkeypatch.setattr(SimReplica, "report", lambda self, t: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        _run(engine, "random", duration_s=3.0)
+    assert gc.get_threshold() == before
 
 
 @pytest.mark.parametrize("routing", ROUTINGS)
