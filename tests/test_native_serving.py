@@ -226,9 +226,11 @@ def test_beyond_the_queue_bound_requests_get_429_at_once_and_the_rest_are_served
           f"(slowest refusal {max((s for *_, s in refused), default=0):.2f} s)")
     assert served + codes.count(429) == 40, codes
     assert codes[:16] == [200] * 16, codes  # the replica's own 16 are never refused
-    # Serve may refuse a request or two more than the bound implies while a queued one is
-    # being handed to the replica (its router's own note); a bound much looser or tighter fails.
-    assert expected_refusals <= len(refused) <= expected_refusals + 2, codes
+    # Off by a request or two either way: Serve's router may refuse one more while a queued one
+    # is being handed over (its own note), and its cached count of the replica's requests may
+    # lag a reply or two, letting a couple through to be turned back and queued again. A bound
+    # much looser or tighter than configured fails.
+    assert expected_refusals - 2 <= len(refused) <= expected_refusals + 2, codes
     for resp, payload, seconds in refused:
         assert seconds < 30, f"refused after waiting {seconds:.1f} s, not at once"
         assert int(resp.headers["retry-after"]) > 0
