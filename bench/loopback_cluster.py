@@ -101,24 +101,40 @@ class LoopbackCluster:
         if proc.wait(timeout=180) != 0:
             raise RuntimeError(f"`{' '.join(cmd)}` failed; see {log.name}")
 
-    def wait_for_nodes(self, count: int, timeout_s: float) -> None:
+    def wait_for_nodes(self, count: int, timeout_s: float, exactly: bool = False) -> None:
+        """Until `count` nodes are alive (at least `count`, unless `exactly`)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.alive_nodes() >= count:
+            alive = self.alive_nodes()
+            if alive == count or (alive > count and not exactly):
                 return
             time.sleep(1.0)
         raise TimeoutError(f"{count} Ray nodes not alive after {timeout_s:.0f} s")
 
     def alive_nodes(self) -> int:
-        """Nodes the GCS lists as alive (asked by a short-lived driver of its own, so the
-        caller may be connected to another cluster)."""
-        script = "import ray; ray.init(log_to_driver=False); print(sum(n['Alive'] for n in ray.nodes()))"
-        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=self._env(),
-                             timeout=120)
+        """Nodes the GCS lists as alive."""
+        out = self.run_driver("print(sum(n['Alive'] for n in ray.nodes()))")
         try:
-            return int(out.stdout.strip().splitlines()[-1])
+            return int(out.strip().splitlines()[-1])
         except (ValueError, IndexError):
             return 0
+
+    def run_driver(self, script: str, cwd: Path | None = None) -> str:
+        """Run `script` in a short-lived driver of its own, joined to this cluster (so the
+        caller may be connected to another cluster, or to none); returns what it printed."""
+        code = "import ray\nray.init(log_to_driver=False)\n" + script
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=self._env(),
+                              cwd=cwd, timeout=120).stdout
+
+    def reset_nodes(self, nodes: list[NodeSpec], timeout_s: float = 120.0) -> None:
+        """Back to exactly `nodes` (the head among them, unchanged): nodes started since are
+        stopped, nodes killed since are started again; returns once the GCS agrees."""
+        wanted = {node.name for node in nodes}
+        self._end({name: sid for name, sid in self.sessions.items() if name not in wanted})
+        for node in nodes:
+            if node.name not in self.sessions:
+                self.start_node(node)
+        self.wait_for_nodes(len(nodes), timeout_s, exactly=True)
 
     def processes(self, node: str) -> list[psutil.Process]:
         return session_processes(self.sessions[node]) if node in self.sessions else []
@@ -135,6 +151,14 @@ class LoopbackCluster:
     def stop(self) -> list[str]:
         """End every node, workers first, then the head; returns what survived a SIGKILL."""
         sessions = dict(self.sessions)
+        self._end(sessions)
+        self._forget_current_cluster()
+        time.sleep(1.0)
+        return [f"{p.pid} {' '.join(p.cmdline())}" for sid in sessions.values() for p in session_processes(sid)]
+
+    def _end(self, sessions: dict[str, int]) -> None:
+        """SIGTERM the nodes' processes, last started first (Ray's processes shut down
+        cleanly on it), SIGKILL what is left after 15 s."""
         for name in reversed(list(sessions)):
             for proc in self.processes(name):
                 try:
@@ -146,9 +170,6 @@ class LoopbackCluster:
             time.sleep(0.5)
         for name in sessions:
             self.kill_node(name)
-        self._forget_current_cluster()
-        time.sleep(1.0)
-        return [f"{p.pid} {' '.join(p.cmdline())}" for sid in sessions.values() for p in session_processes(sid)]
 
     def _forget_current_cluster(self) -> None:
         """`ray start --head` records its address in /tmp/ray/ray_current_cluster, and a later

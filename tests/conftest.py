@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import shutil
 import socket
 import threading
 import time
@@ -38,23 +39,69 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
+# One logical CPU per node, one replica bundle each: two replicas must take two nodes.
+CLUSTER_NODES = [NodeSpec("head", num_cpus=1), NodeSpec("worker1", num_cpus=1)]
+
+
+class _SharedCluster:
+    """The test session's one loopback cluster: started by the first module that asks for
+    `cluster`, stopped after the last (starting one takes about 20 s here, stopping 15 s)."""
+
+    cluster: LoopbackCluster | None = None
+    controller_dir: Path | None = None
+
+
 @pytest.fixture(scope="module")
-def cluster(request, tmp_path_factory) -> LoopbackCluster:
-    """A real two-node Ray cluster (`ray start` on loopback), one per test module that asks.
-    The module's `URL` names the port of the app it serves on the cluster."""
-    workdir = tmp_path_factory.mktemp("cluster")
-    # One logical CPU per node, one replica bundle each: the two replicas must take two nodes.
-    nodes = [NodeSpec("head", num_cpus=1), NodeSpec("worker1", num_cpus=1)]
-    cluster = LoopbackCluster(nodes, CLUSTER_GCS_PORT, workdir / "logs",
-                              env={"ADASPEC_CONTROLLER_DIR": str(workdir / "controller")})
+def cluster(request, tmp_path_factory) -> Iterator[LoopbackCluster]:
+    """A real two-node Ray cluster (`ray start` on loopback), shared by the test modules that
+    ask and reset for each: only the head and worker1 (nodes a module added are stopped, one
+    it killed is started again), no controller actor and no controller checkpoint left by the
+    module before. The module's `URL` names the port of the app it serves on the cluster."""
     app_port = int(request.module.URL.rsplit(":", 1)[1])
-    if _port_in_use(CLUSTER_GCS_PORT) or _port_in_use(app_port):
-        pytest.fail(f"port {CLUSTER_GCS_PORT} (the loopback cluster) or {app_port} ({request.module.__name__}'s "
-                    f"app) is in use; stop the other cluster first")
-    cluster.start()
-    yield cluster
-    left = cluster.stop()
-    assert not left, f"processes of the loopback cluster left behind: {left}"
+    if _port_in_use(app_port):
+        pytest.fail(f"port {app_port} ({request.module.__name__}'s app) is in use; stop the other server first")
+    shared = _SharedCluster
+    if shared.cluster is None:
+        if _port_in_use(CLUSTER_GCS_PORT):
+            pytest.fail(f"port {CLUSTER_GCS_PORT} (the loopback cluster) is in use; stop the other cluster first")
+        workdir = tmp_path_factory.mktemp("cluster")
+        shared.controller_dir = workdir / "controller"
+        shared.cluster = LoopbackCluster(CLUSTER_NODES, CLUSTER_GCS_PORT, workdir / "logs",
+                                         env={"ADASPEC_CONTROLLER_DIR": str(shared.controller_dir)})
+        shared.cluster.start()
+    else:
+        _reset_cluster(shared.cluster, shared.controller_dir)
+    yield shared.cluster
+    later = request.session.items[max(i for i, item in enumerate(request.session.items)
+                                       if item.module is request.module) + 1:]
+    if not any("cluster" in item.fixturenames for item in later):
+        left = shared.cluster.stop()
+        shared.cluster = None
+        assert not left, f"processes of the loopback cluster left behind: {left}"
+
+
+def _reset_cluster(cluster: LoopbackCluster, controller_dir: Path) -> None:
+    """The state a fresh cluster starts in. The controller actor is detached (it outlives the
+    app by design): the module before's, with that app's config and replicas, must go, and
+    its checkpoint with it, or the next app's replicas would be decided from them."""
+    cluster.reset_nodes(CLUSTER_NODES)
+    out = cluster.run_driver(
+        "import time\n"
+        "from controller.actor import get_controller\n"
+        "try:\n"
+        "    ray.kill(get_controller(), no_restart=True)\n"
+        "except ValueError:\n"
+        "    pass\n"
+        "deadline = time.monotonic() + 60\n"
+        "while time.monotonic() < deadline:\n"
+        "    try:\n"
+        "        get_controller()\n"
+        "    except ValueError:\n"
+        "        print('gone')\n"
+        "        break\n"
+        "    time.sleep(0.5)\n", cwd=REPO)
+    assert out.strip().endswith("gone"), f"the previous module's controller actor did not end: {out!r}"
+    shutil.rmtree(controller_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -210,6 +257,13 @@ def server(tmp_path_factory):
 def client(server):
     with httpx.Client(base_url=URL, timeout=300) as c:
         yield c
+
+
+def pytest_sessionfinish(session):
+    """A run cut short (a failed setup, -x, Ctrl-C) still stops the shared loopback cluster."""
+    if _SharedCluster.cluster is not None:
+        _SharedCluster.cluster.stop()
+        _SharedCluster.cluster = None
 
 
 def pytest_collection_modifyitems(items):

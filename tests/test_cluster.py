@@ -2,8 +2,8 @@
 `ray start` on loopback (bench.loopback_cluster), `serve run configs/app-cluster.yaml`
 against it (two native-engine replicas, one controller), real HTTP.
 
-One cluster (conftest's `cluster`, per module) and one app serve every test here: starting
-them takes about a minute on 2 cores.
+One app serves every test here, on conftest's `cluster` (shared with the other cluster
+modules); starting it takes about a minute on 2 cores.
 """
 
 from __future__ import annotations

