@@ -196,6 +196,13 @@ class PolicyRule(BaseModel):
         return self
 
 
+@functools.lru_cache(maxsize=4096)
+def _shared_rule(batch_lo: int, batch_hi: int, config: SpecConfig) -> PolicyRule:
+    # As _shared_config: rules are frozen, and a controller builds the same few for every
+    # replica every period.
+    return PolicyRule(batch_lo=batch_lo, batch_hi=batch_hi, config=config)
+
+
 class SpecPolicy(BaseModel):
     """A versioned table batch-size range -> SpecConfig, built by the controller or a user.
 
@@ -294,13 +301,13 @@ class SpecPolicy(BaseModel):
             raise PolicyError("a dense table needs at least batch size 1")
         rules: list[list] = []  # [lo, hi, config]
         for b in range(1, len(table)):
-            if rules and rules[-1][2] == table[b]:
+            if rules and (rules[-1][2] is table[b] or rules[-1][2] == table[b]):
                 rules[-1][1] = b
             else:
                 rules.append([b, b, table[b]])
         rules[-1][1] = OPEN_END
         return cls(version=version, replica_id=replica_id,
-                   rules=tuple(PolicyRule(batch_lo=lo, batch_hi=hi, config=c) for lo, hi, c in rules))
+                   rules=tuple(_shared_rule(lo, hi, c) for lo, hi, c in rules))
 
     def with_configs(self, batch_lo: int, batch_hi: int, config: SpecConfig) -> SpecPolicy:
         """This policy with batch sizes batch_lo..batch_hi running `config` (same version)."""

@@ -14,6 +14,8 @@ Acceptance terms (Leviathan et al. 2023; vLLM's spec-decode metrics):
 
 from __future__ import annotations
 
+import bisect
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Literal
@@ -177,11 +179,14 @@ class PolicySpeed(BaseModel):
 
     def tpot_s(self, batch: float) -> float:
         """Predicted seconds per output token at `batch` requests (the last bucket beyond it)."""
-        b = max(batch, 1.0)
-        for bucket in self.buckets:
-            if b <= bucket.batch_hi + 0.5:
-                return bucket.tpot_s
-        return self.buckets[-1].tpot_s
+        bounds, tpots = self._lookup
+        return tpots[min(bisect.bisect_left(bounds, max(batch, 1.0)), len(tpots) - 1)]
+
+    @functools.cached_property
+    def _lookup(self) -> tuple[list[float], list[float]]:
+        # The router reads a replica's speed a few times per candidate per request: a
+        # bisection over the buckets' upper bounds (+0.5: a mean batch rounds to its bucket).
+        return [b.batch_hi + 0.5 for b in self.buckets], [b.tpot_s for b in self.buckets]
 
 
 class ControllerReply(BaseModel):

@@ -172,7 +172,7 @@ class ControllerCore:
         if pick == chosen:
             return decision
         policy = decision.policy.with_configs(lo, hi, pick)
-        return decision.model_copy(update={"policy": policy, "changed": not policy.same_rules(rep.policy_in_force)})
+        return dataclasses.replace(decision, policy=policy, changed=not policy.same_rules(rep.policy_in_force))
 
     def _guard(self, decision: Decision, rep: Replica) -> Decision:
         """The safety rule (controller.safety): in the bucket the replica runs in now, `off`
@@ -186,7 +186,7 @@ class ControllerCore:
             return decision
         rep.safety_overrides += 1
         policy = decision.policy.with_configs(lo, hi, safe)
-        return decision.model_copy(update={"policy": policy, "changed": not policy.same_rules(rep.policy_in_force)})
+        return dataclasses.replace(decision, policy=policy, changed=not policy.same_rules(rep.policy_in_force))
 
     def _explore(self, decision: Decision, rep: Replica, dep: Deployment, now: float,
                  models_policy: SpecPolicy) -> Decision:
@@ -205,7 +205,7 @@ class ControllerCore:
         elif decision.policy.config_for(lo).is_off:
             rep.last_probe = now
         policy = decision.policy.with_configs(lo, hi, trial)
-        return decision.model_copy(update={"policy": policy, "changed": not policy.same_rules(rep.policy_in_force)})
+        return dataclasses.replace(decision, policy=policy, changed=not policy.same_rules(rep.policy_in_force))
 
     def _trial(self, chosen: SpecConfig, static: SpecConfig, lo: int, rep: Replica, dep: Deployment,
                now: float) -> SpecConfig | None:

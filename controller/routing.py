@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import random
 import statistics
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import TypeVar
 
 from adaspec.telemetry import RoutingStats
@@ -92,45 +92,57 @@ def step_time_s(stats: RoutingStats, batch: float, fixed_share: float = FIXED_ST
 def tpot_s(stats: RoutingStats, batch: float, fixed_share: float = FIXED_STEP_SHARE) -> float:
     """Seconds per output token of one sequence at `batch` requests on the replica (the
     module docstring's tpot(b)). Needs measured stats or the controller's speed."""
+    return tpot_curve(stats, fixed_share)(batch)
+
+
+def tpot_curve(stats: RoutingStats, fixed_share: float = FIXED_STEP_SHARE) -> Callable[[float], float]:
+    """`tpot_s` of the replica as a function of the batch, its calibration to the replica's
+    measurement worked out once (a routing cost reads the curve at up to four batches)."""
+    speed = stats.speed
     measured = None
     if stats.step_s is not None and stats.step_batch is not None:
         measured = stats.step_s / stats.tokens_per_step
-    if stats.speed is not None:
-        curve = stats.speed.tpot_s(batch)
+    if speed is not None:
         if measured is None:
-            return curve
-        scale = measured / stats.speed.tpot_s(stats.step_batch)
-        return curve * min(max(scale, 1.0 / CALIBRATION_LIMIT), CALIBRATION_LIMIT)
-    return step_time_s(stats, batch, fixed_share) / stats.tokens_per_step
+            return speed.tpot_s
+        scale = min(max(measured / speed.tpot_s(stats.step_batch), 1.0 / CALIBRATION_LIMIT), CALIBRATION_LIMIT)
+        return lambda batch: speed.tpot_s(batch) * scale
+    return lambda batch: step_time_s(stats, batch, fixed_share) / stats.tokens_per_step
 
 
 def predicted_completion_s(stats: RoutingStats, output_tokens: int, now: float, *, sent: int = 0,
-                           fixed_share: float = FIXED_STEP_SHARE) -> float:
+                           fixed_share: float = FIXED_STEP_SHARE,
+                           tpot: Callable[[float], float] | None = None) -> float:
     """Predicted seconds until a new request of `output_tokens` tokens, sent now (unix s),
     finishes on the replica (the module docstring's model). `sent`: requests the router sent
-    there after `stats.measured_at`, which the stats do not count yet."""
+    there after `stats.measured_at`, which the stats do not count yet. `tpot`: the replica's
+    `tpot_curve`, if the caller has it."""
+    tpot = tpot or tpot_curve(stats, fixed_share)
     max_batch = stats.max_batch_size
     output_tokens = max(output_tokens, 1)
     n = stats.running + stats.waiting + sent + 1
-    decode = output_tokens * tpot_s(stats, min(n, max_batch), fixed_share)
+    decode = output_tokens * tpot(min(n, max_batch))
     queue = 0.0
     if n > max_batch:
         mean_output = stats.mean_output_tokens or output_tokens
-        slot_s = mean_output * tpot_s(stats, max_batch, fixed_share) / max_batch
+        slot_s = mean_output * tpot(max_batch) / max_batch
         # The queue kept draining since the stats were measured.
         queue = max((n - max_batch) * slot_s - max(now - stats.measured_at, 0.0), 0.0)
     return queue + decode
 
 
-def added_delay_s(stats: RoutingStats, now: float, *, sent: int = 0, fixed_share: float = FIXED_STEP_SHARE) -> float:
+def added_delay_s(stats: RoutingStats, now: float, *, sent: int = 0, fixed_share: float = FIXED_STEP_SHARE,
+                  tpot: Callable[[float], float] | None = None) -> float:
     """Seconds a new request adds, in total, to the requests already decoding on the replica
     (the module docstring's `added`): each of them has about half its output still to make,
-    at a slower step once the batch holds one more sequence."""
+    at a slower step once the batch holds one more sequence. `tpot` as in
+    predicted_completion_s."""
     decoding = stats.running + stats.waiting + sent
     if decoding == 0 or decoding >= stats.max_batch_size:
         return 0.0  # nobody there yet, or the batch is full: it waits for a slot, slowing no one
+    tpot = tpot or tpot_curve(stats, fixed_share)
     remaining = (stats.mean_output_tokens or DEFAULT_OUTPUT_TOKENS) / 2
-    slower = tpot_s(stats, decoding + 1, fixed_share) - tpot_s(stats, decoding, fixed_share)
+    slower = tpot(decoding + 1) - tpot(decoding)
     return decoding * remaining * max(slower, 0.0)
 
 
@@ -139,8 +151,9 @@ def routing_cost_s(stats: RoutingStats, output_tokens: int, now: float, *, sent:
     """What sending a request of `output_tokens` tokens to the replica costs, in seconds of
     latency summed over requests: its own predicted completion time plus the time it adds
     to the others there (the module docstring's `cost`)."""
-    return (predicted_completion_s(stats, output_tokens, now, sent=sent, fixed_share=fixed_share)
-            + added_delay_s(stats, now, sent=sent, fixed_share=fixed_share))
+    tpot = tpot_curve(stats, fixed_share)
+    return (predicted_completion_s(stats, output_tokens, now, sent=sent, tpot=tpot)
+            + added_delay_s(stats, now, sent=sent, tpot=tpot))
 
 
 def _is_measured(stats: RoutingStats) -> bool:
@@ -166,7 +179,9 @@ def sample_candidates(candidates: Sequence[T], max_candidates: int | None, rng: 
     """At most `max_candidates` of the candidates, drawn at random (all of them when fewer)."""
     if max_candidates is None or len(candidates) <= max_candidates:
         return list(candidates)
-    return (rng or random).sample(list(candidates), max_candidates)
+    # random.sample indexes a Sequence (a range too) without copying it: the simulator
+    # samples 16 of 1,000 replicas per request.
+    return (rng or random).sample(candidates, max_candidates)
 
 
 def rank_replicas(candidates: Sequence[tuple[ReplicaId, RoutingStats | None]], now: float, max_stats_age_s: float,
