@@ -65,10 +65,10 @@ def cluster(request, tmp_path_factory) -> Iterator[LoopbackCluster]:
         if _port_in_use(CLUSTER_GCS_PORT):
             pytest.fail(f"port {CLUSTER_GCS_PORT} (the loopback cluster) is in use; stop the other cluster first")
         workdir = tmp_path_factory.mktemp("cluster")
-        shared.controller_dir = workdir / "controller"
-        shared.cluster = LoopbackCluster(CLUSTER_NODES, CLUSTER_GCS_PORT, workdir / "logs",
-                                         env={"ADASPEC_CONTROLLER_DIR": str(shared.controller_dir)})
-        shared.cluster.start()
+        cluster = LoopbackCluster(CLUSTER_NODES, CLUSTER_GCS_PORT, workdir / "logs",
+                                  env={"ADASPEC_CONTROLLER_DIR": str(workdir / "controller")})
+        cluster.start()  # stops what it started if it fails: nothing shared then
+        shared.cluster, shared.controller_dir = cluster, workdir / "controller"
     else:
         _reset_cluster(shared.cluster, shared.controller_dir)
     yield shared.cluster

@@ -20,7 +20,9 @@ from controller.latency import (
     fit_latency_coefficients,
     operating_point,
 )
-from controller.policy_search import CostTable, Objective, batch_buckets, bucket_of, candidate_configs, search_policy
+from controller.policy_search import (
+    CostTable, Objective, batch_buckets, bucket_of, candidate_configs, policy_speed, search_policy,
+)
 from controller.step_time import StepTimeModel
 
 
@@ -121,6 +123,29 @@ def test_hysteresis_keeps_a_nearly_as_good_policy():
     assert not kept.changed and str(kept.policy) == str(current)
     moved = search_policy(costs, expected, 1.0, 128, current=current, hysteresis=0.0)
     assert moved.changed and str(moved.policy) == str(best)
+
+
+def test_bucket_figures_are_the_means_over_each_buckets_batch_sizes():
+    """What a decision and policy_speed report per bucket: the plain mean, over the bucket's
+    batch sizes, of tokens/s and of seconds per token under the config run there."""
+    costs = _costs()
+    expected = _expected(costs, 0.6)
+    decision = search_policy(costs, expected, 1.0, 128)
+    policy = SpecPolicy.parse("1-3:chain2,4-20:off,21+:chain1", version=7)
+    speed = policy_speed(costs, expected, policy)
+    assert speed.policy_version == 7 and len(speed.buckets) == len(decision.buckets) == len(costs.buckets)
+    for chosen, predicted, (lo, hi) in zip(decision.buckets, speed.buckets, costs.buckets):
+        assert (chosen.batch_lo, chosen.batch_hi, predicted.batch_lo, predicted.batch_hi) == (lo, hi, lo, hi)
+        c = costs.index[chosen.config]
+        assert chosen.tokens_per_s == pytest.approx(np.mean([b * expected[c] / costs.step_s[b, c]
+                                                             for b in range(lo, hi + 1)]), rel=1e-12)
+        assert chosen.tpot_s == pytest.approx(np.mean([costs.step_s[b, c] / expected[c] for b in range(lo, hi + 1)]),
+                                              rel=1e-12)
+        run = [costs.index[policy.config_for(b)] for b in range(lo, hi + 1)]
+        assert predicted.tpot_s == pytest.approx(np.mean([costs.step_s[b, i] / expected[i]
+                                                          for b, i in zip(range(lo, hi + 1), run)]), rel=1e-12)
+        assert speed.tpot_s(hi) == predicted.tpot_s and speed.tpot_s(lo - 0.4) == predicted.tpot_s
+    assert policy_speed(costs, expected, SpecPolicy.parse("tree2x2")) is None  # not in a chains-only table
 
 
 def test_tpot_slo_objective_respects_the_slo():
