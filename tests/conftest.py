@@ -85,22 +85,10 @@ def _reset_cluster(cluster: LoopbackCluster, controller_dir: Path) -> None:
     app by design): the module before's, with that app's config and replicas, must go, and
     its checkpoint with it, or the next app's replicas would be decided from them."""
     cluster.reset_nodes(CLUSTER_NODES)
-    out = cluster.run_driver(
-        "import time\n"
-        "from controller.actor import get_controller\n"
-        "try:\n"
-        "    ray.kill(get_controller(), no_restart=True)\n"
-        "except ValueError:\n"
-        "    pass\n"
-        "deadline = time.monotonic() + 60\n"
-        "while time.monotonic() < deadline:\n"
-        "    try:\n"
-        "        get_controller()\n"
-        "    except ValueError:\n"
-        "        print('gone')\n"
-        "        break\n"
-        "    time.sleep(0.5)\n", cwd=REPO)
-    assert out.strip().endswith("gone"), f"the previous module's controller actor did not end: {out!r}"
+    controller = "from controller.actor import get_controller\ntry:\n    actor = get_controller()\n"
+    cluster.run_driver(controller + "    ray.kill(actor, no_restart=True)\nexcept ValueError:\n    pass\n", cwd=REPO)
+    wait_until(lambda: "gone" in cluster.run_driver(controller + "except ValueError:\n    print('gone')\n", cwd=REPO),
+               "the previous module's controller actor ending", 60)
     shutil.rmtree(controller_dir, ignore_errors=True)
 
 
