@@ -125,11 +125,10 @@ def rope_tables(args: ModelArgs, length: int, device=None) -> tuple[torch.Tensor
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, T, heads, Dh]; cos/sin [B, T, Dh] gathered at each token's position."""
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    """x [B, T, heads, Dh]; cos/sin [B, T, 1, Dh] gathered at each token's position, in x's
+    dtype (as HF's rotary embedding casts them: bfloat16 models rotate in bfloat16)."""
     half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
 # ----------------------------------------------------------------------------------- layers
@@ -140,12 +139,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused op instead of five (each op costs µs at decode)
+        # One fused op instead of five: each op costs microseconds at decode.
+        if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # Normalise in float32 as HF does, so bfloat16 models match it.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # Normalise in float32 and scale in x's dtype, as HF does, so bfloat16 models match it.
+        return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -185,12 +183,31 @@ class Attention(nn.Module):
             keys, values = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, Dh]
         else:
             keys, values = cache.update(self.layer, row_start, write_pos, k, v, key_len)  # [B, Hkv, S, Dh]
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
-                                             enable_gqa=a.n_kv_heads != a.n_heads)  # [B, H, T, Dh]
+        out = attend(q.transpose(1, 2), keys, values, mask)  # [B, H, T, Dh]
         out = out.transpose(1, 2).reshape(B, T, a.n_heads * a.head_dim)
         if packed is not None:
             out = packed.pack(out)
         return self.o_proj(out)
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention of q [B, H, T, Dh] over keys/values [B, Hkv, S, Dh] (grouped-query when
+    Hkv < H); mask [B, 1, T, S] bool or None. Returns [B, H, T, Dh].
+
+    With grouped queries the H / Hkv query heads of a group read the same keys, so they are
+    folded into one head's query rows ([B, Hkv, G * T, Dh], the mask repeated per head): the
+    same numbers, and torch's CPU flash kernel runs them as one block. In bfloat16 a
+    single-query row takes that kernel's slow path: folded, a decode step's attention is 4-8x
+    faster, and a tree's 1.1-1.5x (docs/benchmarks.md, "Where the step's time goes"). Single
+    float32 queries are as fast or faster unfolded, so they stay so."""
+    B, H, T, Dh = q.shape
+    G = H // keys.shape[1]
+    if G == 1 or (T == 1 and q.dtype == torch.float32):
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=G > 1)
+    if mask is not None:
+        mask = mask[:, :, None].expand(B, 1, G, T, mask.shape[-1]).reshape(B, 1, G * T, mask.shape[-1])
+    out = F.scaled_dot_product_attention(q.reshape(B, H // G, G * T, Dh), keys, values, attn_mask=mask)
+    return out.view(B, H, T, Dh)
 
 
 @dataclass(frozen=True)
@@ -286,10 +303,13 @@ class Transformer(nn.Module):
         self.linear_choice: LinearChoice | None = None  # CPU: the CpuLinear paths, measured per token count
 
     def rope(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cached cos/sin tables covering at least `length` positions, on the model's device."""
-        if self._rope is None or self._rope[0].shape[0] < length:
+        """Cached cos/sin tables covering at least `length` positions, on the model's device,
+        in its dtype."""
+        w = self.lm_head.weight
+        if (self._rope is None or self._rope[0].shape[0] < length or self._rope[0].dtype != w.dtype
+                or self._rope[0].device != w.device):
             n = max(length, 256, 2 * (self._rope[0].shape[0] if self._rope else 0))
-            self._rope = rope_tables(self.args, n, self.lm_head.weight.device)
+            self._rope = tuple(t.to(w.dtype) for t in rope_tables(self.args, n, w.device))
         return self._rope
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
@@ -306,7 +326,8 @@ class Transformer(nn.Module):
         those rows' cache positions [0, key_len).
         """
         cos_t, sin_t = self.rope(int(positions.max()) + 1)
-        cos, sin = cos_t[positions], sin_t[positions]  # [B, T, Dh]: RoPE runs in the padded layout
+        # [B, T, 1, Dh], gathered once for every layer; RoPE runs in the padded layout.
+        cos, sin = cos_t[positions].unsqueeze(2), sin_t[positions].unsqueeze(2)
         if packed is not None:
             tokens = packed.pack(tokens)
         x = self.model.embed_tokens(tokens)

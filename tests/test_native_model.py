@@ -8,10 +8,12 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from native_engine.kv_cache import KVCache
-from native_engine.model import ModelArgs, ModelLoadError, Transformer, build_model, causal_mask, load_model
+from native_engine.model import (ModelArgs, ModelLoadError, Transformer, attend, build_model, causal_mask,
+                                 load_model)
 from native_engine.testing import full_logits, tiny_args
 from native_engine.tree import attention_mask
 
@@ -52,6 +54,43 @@ def test_logits_match_hf_transformers(arch, tie, extra):
         ref = hf(tokens).logits
         hidden = ours(tokens, torch.arange(13)[None].expand(2, 13), causal_mask(torch.tensor([13, 13]), 13))
         assert torch.allclose(ours.logits(hidden), ref, atol=1e-4), (ours.logits(hidden) - ref).abs().max()
+
+
+@pytest.mark.parametrize("arch,tie", [("LlamaForCausalLM", True), ("Qwen2ForCausalLM", False)])
+def test_bfloat16_logits_match_hf_transformers_in_bfloat16(arch, tie):
+    """In bfloat16 (RMSNorm in float32, RoPE and the rest in bfloat16, as HF computes them),
+    before and after prepare_for_serving: within 0.01 of HF's bfloat16 logits (logits of
+    about 1, a few bfloat16 steps), and no farther from the float32 logits than twice HF's
+    own bfloat16 error."""
+    hf, ours, _ = _hf_pair(arch, tie)
+    tokens = torch.randint(0, 97, (2, 13), generator=torch.Generator().manual_seed(1))
+    pos, mask = torch.arange(13)[None].expand(2, 13), causal_mask(torch.tensor([13, 13]), 13)
+    with torch.no_grad():
+        ref = hf(tokens).logits
+        hf16 = hf.to(torch.bfloat16)(tokens).logits.float()
+        ours = ours.to(torch.bfloat16)
+        for stage in ("as loaded", "served"):
+            if stage == "served":
+                ours.prepare_for_serving()
+            got = ours.logits(ours(tokens, pos, mask))
+            assert (got - hf16).abs().max() <= 0.01, (stage, (got - hf16).abs().max())
+            assert (got - ref).abs().max() <= 2 * (hf16 - ref).abs().max(), stage
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,masked", [(1, False), (5, False), (5, True)])
+def test_folded_grouped_query_attention_equals_sdpa(dtype, T, masked):
+    """attend() folds a group's query heads into one head's rows: the same output as torch's
+    grouped-query attention, with and without a mask, one query or several."""
+    B, H, Hkv, S, Dh = 3, 6, 2, 11, 8
+    gen = torch.Generator().manual_seed(T)
+    q, k, v = (torch.randn(*shape, generator=gen).to(dtype) for shape in ((B, H, T, Dh), (B, Hkv, S, Dh), (B, Hkv, S, Dh)))
+    mask = None
+    if masked:
+        mask = torch.rand(B, 1, T, S, generator=gen) > 0.4
+        mask[..., 0] = True  # every query attends at least one key
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
+    assert torch.allclose(attend(q, k, v, mask).float(), ref, atol=1e-5 if dtype == torch.float32 else 2e-2)
 
 
 @pytest.mark.parametrize("arch,tie", [("LlamaForCausalLM", True), ("Qwen2ForCausalLM", False)])
