@@ -61,33 +61,44 @@ def model_key(args, dtype: torch.dtype) -> str:
             f"ffn={args.intermediate_size},vocab={args.vocab_size},{dtype}")
 
 
-def cache_file() -> Path:
-    return cache_dir() / "linear-choice.json"
+def cache_file(name: str = "linear-choice.json") -> Path:
+    """Where a measured choice is cached: $ADASPEC_CACHE_DIR/`name`."""
+    return cache_dir() / name
 
 
-def _read_cache() -> dict:
+def read_cached(name: str, key: str) -> dict | None:
+    """The entry cached under `key` in cache file `name`, or None."""
     try:
-        return json.loads(cache_file().read_text())
+        return json.loads(cache_file(name).read_text()).get(key)
     except (OSError, ValueError):
-        return {}
+        return None
+
+
+def write_cached(name: str, key: str, entry: dict) -> None:
+    """Cache `entry` (JSON values) under `key` in cache file `name`, with the time it was measured."""
+    path = cache_file(name)
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, ValueError):
+        entries = {}
+    entries[key] = {**entry, "measured_at": time.time()}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(entries, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only cache: measure again next time
 
 
 def choose(model, linears: list, key: str) -> LinearChoice:
     """The cached choice for `key`, else one measured on `model` (and cached)."""
-    known = _read_cache().get(key)
+    known = read_cached("linear-choice.json", key)
     if known is not None:
         return LinearChoice(known["gemv_below"], {p: {int(t): ms for t, ms in v.items()}
                                                    for p, v in known["times_ms"].items()}, cached=True)
     choice = measure(model, linears)
-    entries = _read_cache()
-    entries[key] = {"gemv_below": choice.gemv_below, "times_ms": choice.times_ms, "measured_at": time.time()}
-    try:
-        cache_file().parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_file().with_suffix(".tmp")
-        tmp.write_text(json.dumps(entries, indent=1))
-        tmp.replace(cache_file())
-    except OSError:
-        pass  # a read-only cache: measure again next time
+    write_cached("linear-choice.json", key, {"gemv_below": choice.gemv_below, "times_ms": choice.times_ms})
     return choice
 
 

@@ -55,7 +55,7 @@ def native_settings(cfg: AppConfig) -> NativeSettings:
         draft_method=spec.method, max_k=spec.max_k,
         prompt_lookup_min=spec.prompt_lookup_min, prompt_lookup_max=spec.prompt_lookup_max,
         policy=spec.policy,
-        dtype=cfg.dtype if cfg.dtype != "auto" else "float32" if on_cpu else "bfloat16",
+        dtype=cfg.dtype if cfg.dtype != "auto" or on_cpu else "bfloat16",
         device="cpu" if on_cpu else "cuda",
         max_batch_size=cfg.max_num_seqs, max_model_len=cfg.max_model_len, tree_budget=cfg.tree_budget,
         torch_threads=cfg.cpu_threads or os.cpu_count() or 1,

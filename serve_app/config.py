@@ -195,8 +195,8 @@ class AppConfig(_Strict):
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         default="auto",
-        description="weights and activations; auto = float32 on cpu; on gpu the model's own (vllm) or "
-        "bfloat16 (native)",
+        description="weights and activations; auto: vllm float32 on cpu, the model's own on gpu; native bfloat16 "
+        "on gpu, on cpu the faster of float32 and bfloat16, measured once per machine and model",
     )
     cpu_threads: int | None = Field(
         default=None, ge=1,

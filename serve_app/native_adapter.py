@@ -46,7 +46,8 @@ class NativeSettings(BaseModel):
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     policy: str = Field(description="policy at start")
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        default="float32", description="auto: the faster on this machine, measured once (native_engine/dtype_choice.py)")
     device: str = "cpu"
     max_batch_size: int = Field(description="KV-cache rows: the largest running batch (requests)")
     max_model_len: int = Field(description="context window a request may use: prompt + output (tokens)")
@@ -57,13 +58,17 @@ class NativeSettings(BaseModel):
 
 def build_engine(s: NativeSettings):
     """The NativeEngine for `s` (weights loaded; runs on whichever thread calls it)."""
-    import torch
-
+    from native_engine import dtype_choice
     from native_engine.drafters import DraftModelDrafter, NgramDrafter
     from native_engine.engine import EngineConfig, NativeEngine
     from native_engine.model import load_model
 
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[s.dtype]
+    if s.dtype == "auto":
+        choice = dtype_choice.choose(s.model_path, s.device)
+        logger.info("adaspec: dtype auto: %s", choice)
+        dtype = choice.dtype
+    else:
+        dtype = dtype_choice.DTYPES[s.dtype]
     # The cache row holds the context window plus one verify tree beyond it.
     config = EngineConfig(max_batch_size=s.max_batch_size, max_seq_len=s.max_model_len + s.max_tree_nodes + 1,
                           max_tree_nodes=s.max_tree_nodes, tree_budget=s.tree_budget)
@@ -98,7 +103,7 @@ class AdaspecNativeEngine(LLMEngine):
         self._loop = EngineLoop(engine, self.settings.torch_threads)
         self._loop.start()
         logger.info("adaspec: native engine started: %s, %s drafter (max depth %d), %d rows x %d tokens, policy %s, "
-                    "matmuls: %s", self.settings.dtype, self._caps.draft_method, self._caps.max_k,
+                    "matmuls: %s", str(engine.model.lm_head.weight.dtype).removeprefix("torch."), self._caps.draft_method, self._caps.max_k,
                     self.settings.max_batch_size, self.settings.max_model_len, engine.policy,
                     engine.model.linear_choice or "one path")
 

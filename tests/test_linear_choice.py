@@ -1,12 +1,13 @@
-"""The matmul path of a CPU model's linears is measured per token count, not assumed, and the
-measurement is cached per machine and model (native_engine/linear_choice.py)."""
+"""The matmul path of a CPU model's linears is measured per token count, not assumed, and so is
+the dtype of `dtype: auto`; each measurement is cached per machine and model
+(native_engine/linear_choice.py, native_engine/dtype_choice.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from native_engine import linear_choice
+from native_engine import dtype_choice, linear_choice
 from native_engine.linear_choice import TOKEN_COUNTS
 from native_engine.model import CpuLinear, build_model
 from native_engine.testing import tiny_args
@@ -87,3 +88,60 @@ def test_both_paths_give_the_same_logits():
                 m.gemv_below = gemv_below
             out[gemv_below] = model.logits(model(tokens, pos, causal_mask(torch.tensor([3]), 3)))
     assert torch.allclose(out[0], out[8], atol=1e-5)
+
+
+def _tiny_folder(folder):
+    """A tiny random Llama as an HF safetensors folder (config.json + model.safetensors)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    a = tiny_args()
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": a.vocab_size, "hidden_size": a.dim,
+        "num_hidden_layers": a.n_layers, "num_attention_heads": a.n_heads, "num_key_value_heads": a.n_kv_heads,
+        "head_dim": a.head_dim, "intermediate_size": a.intermediate_size, "max_position_embeddings": a.max_position}))
+    save_file({k: v.contiguous() for k, v in build_model(a, seed=4).state_dict().items()}, str(folder / "model.safetensors"))
+    return folder
+
+
+def test_the_faster_dtype_is_chosen_when_the_other_is_made_slow():
+    models = {name: build_model(tiny_args(), dtype=dt, seed=1).prepare_for_serving()
+              for name, dt in dtype_choice.DTYPES.items()}
+    for slow, fast in (("bfloat16", torch.float32), ("float32", torch.bfloat16)):
+        clock = SlowPathClock()
+        model = models[slow]
+        model.forward = clock.slowed(type(model).forward).__get__(model)
+        try:
+            choice = dtype_choice.measure(models, clock)
+        finally:
+            del model.forward
+        assert choice.dtype == fast and choice.reason == "measured", choice
+        assert choice.times_ms[slow] > choice.times_ms[str(fast).removeprefix("torch.")]
+
+
+@pytest.mark.skipif(not dtype_choice.cpu_has_bf16(), reason="this CPU has no oneDNN bfloat16: float32 by rule")
+def test_auto_dtype_is_measured_once_then_cached_and_served(tmp_path, monkeypatch):
+    from serve_app.native_adapter import NativeSettings, build_engine
+
+    folder = _tiny_folder(tmp_path / "tiny")
+    first = dtype_choice.choose(folder)
+    assert first.reason == "measured" and set(first.times_ms) == {"float32", "bfloat16"}
+    assert first.dtype == dtype_choice.DTYPES[min(first.times_ms, key=first.times_ms.get)]
+
+    def no_measuring(*args):
+        raise AssertionError("measured again despite the cache")
+
+    monkeypatch.setattr(dtype_choice, "measure", no_measuring)
+    again = dtype_choice.choose(folder)
+    assert (again.dtype, again.reason, again.times_ms) == (first.dtype, "cached", pytest.approx(first.times_ms))
+    settings = NativeSettings(model_path=str(folder), draft_method="ngram", max_k=4, policy="off", dtype="auto",
+                              max_batch_size=2, max_model_len=64, torch_threads=1)
+    assert build_engine(settings).model.lm_head.weight.dtype == first.dtype
+
+
+def test_a_cpu_without_bf16_runs_auto_in_float32(tmp_path, monkeypatch):
+    monkeypatch.setattr(dtype_choice, "cpu_has_bf16", lambda: False)
+    choice = dtype_choice.choose(_tiny_folder(tmp_path / "tiny"))
+    assert choice.dtype == torch.float32 and "no oneDNN bfloat16" in choice.reason
