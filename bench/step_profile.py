@@ -15,10 +15,14 @@ kernels are from streaming at that rate; the rest of the step is overhead a fast
 would not remove. The profiler adds a little time to every op: the shares come from the
 profiled steps, the step time from the unprofiled ones.
 
+Then, with both dtypes loaded, `--rounds` interleaved rounds of `--steps` steps each give
+bfloat16's decode speed against float32's with a 95% bootstrap interval, called met, missed or
+inconclusive against issue 19's goal of 1.6x.
+
 Prints a table, writes {out}/step_profile.json and step_profile.png. Not a test; about two
 minutes on an idle machine.
 
-    .venv/bin/python -m bench.step_profile [--threads 2] [--steps 30] [--out bench/results/native-cpu]
+    .venv/bin/python -m bench.step_profile [--threads 2] [--steps 30] [--rounds 6] [--out bench/results/native-cpu]
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from bench import machine
+from bench.compare import bootstrap_ratio
 from bench.native_engine import streamed_weight_bytes
 from native_engine.engine import EngineConfig, NativeEngine
 from native_engine.requests import SamplingParams
@@ -41,6 +47,7 @@ PROMPT = "Write a long story about a dragon who learns to read, told by the drag
 MATMUL_OPS = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm", "aten::mv", "aten::addmv",
               "aten::dot"}
 PARTS = ("matmul", "attention", "other ops", "outside ops")
+BF16_GOAL = 1.6  # issue 19: batch-1 decode in bfloat16 at least 1.6x float32's tokens/s
 
 
 def part_of(op: str) -> str:
@@ -51,13 +58,16 @@ def part_of(op: str) -> str:
     return "other ops"
 
 
-def profile_dtype(dtype: torch.dtype, steps: int) -> dict:
-    """Median unprofiled step (ms) and the profiled steps' time per part (ms per step)."""
-    from torch.profiler import ProfilerActivity, profile
+def load(dtype: torch.dtype) -> NativeEngine:
+    return NativeEngine.from_pretrained(MODEL, drafter="none", dtype=dtype,
+                                        config=EngineConfig(max_batch_size=1, max_seq_len=1024))
 
-    engine = NativeEngine.from_pretrained(MODEL, drafter="none", dtype=dtype,
-                                          config=EngineConfig(max_batch_size=1, max_seq_len=1024))
-    engine.add_request("r", PROMPT, SamplingParams(max_tokens=2 * steps + 20, temperature=0.0, ignore_eos=True))
+
+def step_times(engine: NativeEngine, steps: int, request_id: str) -> list[float]:
+    """Seconds per decode step of `steps` steps of a fresh request (after prefill and warm-up);
+    the request is left running for whoever steps next."""
+    engine.add_request(request_id, PROMPT, SamplingParams(max_tokens=2 * steps + 20, temperature=0.0,
+                                                          ignore_eos=True))
     for _ in range(5):  # prefill and warm-up
         engine.step()
     times = []
@@ -65,6 +75,20 @@ def profile_dtype(dtype: torch.dtype, steps: int) -> dict:
         t = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t)
+    return times
+
+
+def finish(engine: NativeEngine) -> None:
+    while engine.has_unfinished():
+        engine.step()
+
+
+def profile_dtype(engine: NativeEngine, steps: int) -> dict:
+    """Median unprofiled step (ms) and the profiled steps' time per part (ms per step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dtype = engine.model.lm_head.weight.dtype
+    times = step_times(engine, steps, "profiled")
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t = time.perf_counter()
         for _ in range(steps):
@@ -79,10 +103,30 @@ def profile_dtype(dtype: torch.dtype, steps: int) -> dict:
     parts["outside ops"] = max(1000 * profiled_s / steps - sum(parts.values()), 0.0)
     ops.sort(key=lambda o: -o["self_ms_per_step"])
     weights = streamed_weight_bytes(engine.model)
+    finish(engine)
     return {"dtype": str(dtype).removeprefix("torch."), "step_ms": 1000 * statistics.median(times),
             "profiled_step_ms": 1000 * profiled_s / steps, "parts_ms": parts, "weight_bytes": weights,
             "ops_per_step": sum(o["calls_per_step"] for o in ops), "top_ops": ops[:12],
             "linear_choice": str(engine.model.linear_choice)}
+
+
+def interleaved_speedup(engines: dict[str, NativeEngine], steps: int, rounds: int) -> dict:
+    """bfloat16's decode speed against float32's, in `rounds` interleaved rounds of `steps`
+    steps each (the order alternating): median step float32 / bfloat16 with a 95% bootstrap
+    interval over rounds and steps (bench/compare.py), against the goal of 1.6x."""
+    times: dict[str, list[list[float]]] = {name: [] for name in engines}
+    for r in range(rounds):
+        for name in engines if r % 2 == 0 else reversed(list(engines)):
+            times[name].append(step_times(engines[name], steps, f"round{r}"))
+            finish(engines[name])
+        print(f"[step_profile] round {r + 1}/{rounds}: " + ", ".join(
+            f"{n} {1000 * statistics.median(t[-1]):.1f} ms" for n, t in times.items()), flush=True)
+    interval = bootstrap_ratio(times["float32"], times["bfloat16"], lambda v: float(np.median(v)))
+    return {"rounds": rounds, "steps_per_round": steps, "ratio": interval.ratio, "low": interval.low,
+            "high": interval.high, "goal": BF16_GOAL, "verdict": interval.meets(BF16_GOAL),
+            "round_ratios": [statistics.median(a) / statistics.median(b)
+                             for a, b in zip(times["float32"], times["bfloat16"])],
+            "step_ms": {n: [1000 * statistics.median(t) for t in ts] for n, ts in times.items()}}
 
 
 def summarize(run: dict, read_gbs: float) -> dict:
@@ -123,6 +167,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30, help="decode steps timed, then as many profiled")
+    parser.add_argument("--rounds", type=int, default=6,
+                        help="interleaved float32 / bfloat16 rounds of --steps steps for the speed ratio")
     parser.add_argument("--out", default="bench/results/native-cpu")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -130,10 +176,12 @@ def main() -> None:
     dtypes = [torch.float32]
     if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
         dtypes.append(torch.bfloat16)
+    engines = {str(dtype).removeprefix("torch."): load(dtype) for dtype in dtypes}
     runs = []
-    for dtype in dtypes:
-        print(f"[step_profile] {dtype}: {args.steps} steps timed, {args.steps} profiled", flush=True)
-        runs.append(profile_dtype(dtype, args.steps))
+    for name, engine in engines.items():
+        print(f"[step_profile] {name}: {args.steps} steps timed, {args.steps} profiled", flush=True)
+        runs.append(profile_dtype(engine, args.steps))
+    speedup = interleaved_speedup(engines, args.steps, args.rounds) if len(engines) == 2 and args.rounds else None
     read_gbs = machine.read_bandwidth_gbs()
     for run in runs:
         run["summary"] = summarize(run, read_gbs)
@@ -148,13 +196,16 @@ def main() -> None:
               f"{p['attention']:.1f} | {p['other ops']:.1f} | {p['outside ops']:.1f} | {run['ops_per_step']:.0f} |")
     print("(parts from the profiled steps, which the profiler slows a little: "
           + ", ".join(f"{r['dtype']} {r['profiled_step_ms']:.1f} ms" for r in runs) + ")")
-    if len(runs) == 2:
-        print(f"bfloat16 / float32 step speed: {runs[0]['step_ms'] / runs[1]['step_ms']:.2f}x")
+    if speedup is not None:
+        print(f"bfloat16 / float32 decode speed, {args.rounds} interleaved rounds: {speedup['ratio']:.2f}x "
+              f"[{speedup['low']:.2f}, {speedup['high']:.2f}] (rounds: "
+              + ", ".join(f"{r:.2f}" for r in speedup["round_ratios"])
+              + f"); goal >= {BF16_GOAL}x: {speedup['verdict']}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     doc = {"command": "python -m bench.step_profile " + " ".join(f"--{k} {v}" for k, v in vars(args).items()),
            "machine": {**described, **machine.at_end(described)}, "model": MODEL, "threads": args.threads,
-           "read_bandwidth_gbs": read_gbs, "runs": runs}
+           "read_bandwidth_gbs": read_gbs, "runs": runs, "bf16_speedup": speedup}
     (out / "step_profile.json").write_text(json.dumps(doc, indent=1))
     plot(runs, out / "step_profile.png")
     print(f"wrote {out / 'step_profile.json'} and step_profile.png")
