@@ -46,9 +46,9 @@ from native_engine.stats import AcceptanceCounts
 from native_engine.tree import DraftTree, TreeShape, attention_mask, batch_tree_inputs
 from native_engine.verify import Acceptance, accept_greedy, accept_sampled, probs_from_logits
 
-# A verify pass runs packed (native_engine.model.Packing) when its real tokens fill at most
-# this share of the padded [B, T] layout: packing adds a scatter and a gather to every layer,
-# so it is kept for passes with much padding. A chosen value, not a measured break-even.
+# A verify or prefill pass runs packed (native_engine.model.Packing) when its real tokens fill
+# at most this share of the padded [B, T] layout: packing adds a scatter and a gather to every
+# layer, so it is kept for passes with much padding. A chosen value, not a measured break-even.
 PACK_BELOW = 0.75
 
 
@@ -328,8 +328,14 @@ class NativeEngine:
         pos = torch.arange(T)[None, :].expand(len(new), T)
         mask = attention_mask(causal_mask(lengths, T)[:, 0], torch.zeros_like(lengths), T)
         dev = self.device
-        hidden = self.model(tokens.to(dev), pos.to(dev), mask.to(dev), self.cache, new[0].row, pos.to(dev), T)
-        last = hidden[torch.arange(len(new), device=dev), (lengths - 1).to(dev)]
+        # Prompts of uneven length: the matmuls see only the real tokens (most of a prefill's work).
+        real = torch.cat([b * T + torch.arange(n) for b, n in enumerate(lengths.tolist())])
+        packed = Packing(real.to(dev), len(new), T) if len(real) <= PACK_BELOW * len(new) * T else None
+        hidden = self.model(tokens.to(dev), pos.to(dev), mask.to(dev), self.cache, new[0].row, pos.to(dev), T, packed)
+        if packed is not None:  # [1, N, D] in prompt order: each prompt's last token ends its run
+            last = hidden[0, (torch.cumsum(lengths, 0) - 1).to(dev)]
+        else:
+            last = hidden[torch.arange(len(new), device=dev), (lengths - 1).to(dev)]
         logits = self.model.logits(last)  # [P, V]
         argmax = logits.argmax(-1).tolist()
         outs = []
