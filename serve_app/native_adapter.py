@@ -102,8 +102,9 @@ class AdaspecNativeEngine(LLMEngine):
         self.tokenizer = AutoTokenizer.from_pretrained(self.settings.model_path)
         self._loop = EngineLoop(engine, self.settings.torch_threads)
         self._loop.start()
+        dtype = str(engine.model.lm_head.weight.dtype).removeprefix("torch.")
         logger.info("adaspec: native engine started: %s, %s drafter (max depth %d), %d rows x %d tokens, policy %s, "
-                    "matmuls: %s", str(engine.model.lm_head.weight.dtype).removeprefix("torch."), self._caps.draft_method, self._caps.max_k,
+                    "matmuls: %s", dtype, self._caps.draft_method, self._caps.max_k,
                     self.settings.max_batch_size, self.settings.max_model_len, engine.policy,
                     engine.model.linear_choice or "one path")
 
