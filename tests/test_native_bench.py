@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 import os
 
+import pytest
+
 from bench.native_engine import new_drafter
 from bench.native_goals import compare_vllm, goal_checks, same_budget_bound, summarize
 from bench.vllm_baseline import _vllm_processes_in_session
@@ -152,12 +154,12 @@ def test_step_profile_splits_a_real_decode_step_into_parts(tmp_path):
     step, the linears land in `matmul`, and the bandwidth summary follows from them."""
     import torch
 
-    from bench.step_profile import PARTS, part_of, plot, profile_dtype, summarize
+    from bench.step_profile import PARTS, load, part_of, plot, profile_dtype, summarize
 
     assert part_of("mkldnn::_linear_pointwise") == part_of("aten::addmm") == "matmul"
     assert part_of("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
     assert part_of("aten::rms_norm") == "other ops"
-    run = profile_dtype(torch.float32, steps=3)
+    run = profile_dtype(load(torch.float32), steps=3)
     parts = run["parts_ms"]
     assert set(parts) == set(PARTS) and all(v >= 0 for v in parts.values())
     # Self times, not inclusive ones: the ops' own time fits inside the profiled steps' wall time.
@@ -169,3 +171,22 @@ def test_step_profile_splits_a_real_decode_step_into_parts(tmp_path):
     assert math.isclose(summary["matmul_gbs"], run["weight_bytes"] / parts["matmul"] / 1e6)
     plot([run], tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_step_profile_compares_the_dtypes_in_interleaved_rounds():
+    """bf16 against fp32 in rounds: one step-time median per dtype and round, the ratio's
+    interval holds it, and the verdict against the 1.6x goal follows from the interval."""
+    import torch
+
+    from bench.step_profile import BF16_GOAL, interleaved_speedup, load
+    from native_engine.dtype_choice import cpu_has_bf16
+
+    if not cpu_has_bf16():
+        pytest.skip("this CPU has no oneDNN bfloat16")
+    engines = {"float32": load(torch.float32), "bfloat16": load(torch.bfloat16)}
+    out = interleaved_speedup(engines, steps=3, rounds=2)
+    assert [len(v) for v in out["step_ms"].values()] == [2, 2] and len(out["round_ratios"]) == 2
+    assert out["low"] <= out["ratio"] <= out["high"]
+    assert out["verdict"] == ("met" if out["low"] >= BF16_GOAL else "missed" if out["high"] < BF16_GOAL
+                              else "inconclusive")
+    assert not any(e.has_unfinished() for e in engines.values())
