@@ -39,6 +39,7 @@ import torch
 from bench import machine
 from bench.compare import bootstrap_ratio
 from bench.native_engine import streamed_weight_bytes
+from native_engine.dtype_choice import cpu_has_bf16
 from native_engine.engine import EngineConfig, NativeEngine
 from native_engine.requests import SamplingParams
 
@@ -174,7 +175,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     described = machine.describe()
     dtypes = [torch.float32]
-    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if cpu_has_bf16():
         dtypes.append(torch.bfloat16)
     engines = {str(dtype).removeprefix("torch."): load(dtype) for dtype in dtypes}
     runs = []

@@ -43,6 +43,7 @@ class DtypeChoice:
 
 
 def cpu_has_bf16() -> bool:
+    """oneDNN runs bfloat16 matmuls natively on this CPU (AVX512-BF16, AMX)."""
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 

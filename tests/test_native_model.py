@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from native_engine.dtype_choice import cpu_has_bf16
 from native_engine.kv_cache import KVCache
 from native_engine.model import (ModelArgs, ModelLoadError, Transformer, attend, build_model, causal_mask,
                                  load_model)
@@ -121,7 +122,7 @@ def test_bfloat16_cpu_linear_matches_nn_linear_on_both_paths(path):
     accumulation): both paths agree with nn.Linear within bf16 rounding of the output."""
     from native_engine.model import CpuLinear
 
-    if path == "packed" and not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+    if path == "packed" and not cpu_has_bf16():
         pytest.skip("this CPU has no oneDNN bf16")
     linear = torch.nn.Linear(96, 160, bias=False).to(torch.bfloat16)
     fast = CpuLinear(linear)
