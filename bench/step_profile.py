@@ -19,10 +19,14 @@ Then, with both dtypes loaded, `--rounds` interleaved rounds of `--steps` steps 
 bfloat16's decode speed against float32's with a 95% bootstrap interval, called met, missed or
 inconclusive against issue 19's goal of 1.6x.
 
-Prints a table, writes {out}/step_profile.json and step_profile.png. Not a test; about two
-minutes on an idle machine.
+`--compile-decode` compiles each engine's one-token pass first (NativeEngine.compile_decode;
+about a minute per dtype): the inductor graph's own fused kernels then count as "other ops".
 
-    .venv/bin/python -m bench.step_profile [--threads 2] [--steps 30] [--rounds 6] [--out bench/results/native-cpu]
+Prints a table, writes {out}/step_profile.json and step_profile.png (step_profile_compiled.*
+with --compile-decode). Not a test; about two minutes on an idle machine (four compiled).
+
+    .venv/bin/python -m bench.step_profile [--threads 2] [--steps 30] [--rounds 6] [--compile-decode]
+        [--out bench/results/native-cpu]
 """
 
 from __future__ import annotations
@@ -138,7 +142,7 @@ def summarize(run: dict, read_gbs: float) -> dict:
             "shares": {p: ms / run["profiled_step_ms"] for p, ms in run["parts_ms"].items()}}
 
 
-def plot(runs: list[dict], path: Path) -> None:
+def plot(runs: list[dict], path: Path, mode: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -157,7 +161,7 @@ def plot(runs: list[dict], path: Path) -> None:
                 label="weights / read bandwidth" if i == 0 else None)
     ax.set_yticks(range(len(runs)), [r["dtype"] for r in runs])
     ax.set_xlabel("ms per batch-1 decode step")
-    ax.set_title("Native engine decode step: where the time goes (SmolLM2-135M, no speculation)")
+    ax.set_title(f"Native engine decode step: where the time goes (SmolLM2-135M, no speculation, {mode})")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=5, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -170,6 +174,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="decode steps timed, then as many profiled")
     parser.add_argument("--rounds", type=int, default=6,
                         help="interleaved float32 / bfloat16 rounds of --steps steps for the speed ratio")
+    parser.add_argument("--compile-decode", action="store_true",
+                        help="compile each engine's one-token pass first (NativeEngine.compile_decode); "
+                        "writes step_profile_compiled.json / .png")
     parser.add_argument("--out", default="bench/results/native-cpu")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -178,6 +185,11 @@ def main() -> None:
     if cpu_has_bf16():
         dtypes.append(torch.bfloat16)
     engines = {str(dtype).removeprefix("torch."): load(dtype) for dtype in dtypes}
+    compile_s = {}
+    if args.compile_decode:
+        for name, engine in engines.items():
+            compile_s[name] = engine.compile_decode()
+            print(f"[step_profile] {name}: decode pass compiled in {compile_s[name]:.0f} s", flush=True)
     runs = []
     for name, engine in engines.items():
         print(f"[step_profile] {name}: {args.steps} steps timed, {args.steps} profiled", flush=True)
@@ -186,7 +198,8 @@ def main() -> None:
     read_gbs = machine.read_bandwidth_gbs()
     for run in runs:
         run["summary"] = summarize(run, read_gbs)
-    print(f"\nread bandwidth {read_gbs:.1f} GB/s; batch-1 decode step, no speculation, {args.threads} threads")
+    print(f"\nread bandwidth {read_gbs:.1f} GB/s; batch-1 decode step, no speculation, {args.threads} threads"
+          + (", decode pass compiled" if args.compile_decode else ""))
     print("| dtype | step ms | limit ms (weights / bandwidth) | % of limit | matmul ms (GB/s) | attention ms | "
           "other ops ms | outside ops ms | ops per step |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -206,10 +219,12 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     doc = {"command": "python -m bench.step_profile " + " ".join(f"--{k} {v}" for k, v in vars(args).items()),
            "machine": {**described, **machine.at_end(described)}, "model": MODEL, "threads": args.threads,
-           "read_bandwidth_gbs": read_gbs, "runs": runs, "bf16_speedup": speedup}
-    (out / "step_profile.json").write_text(json.dumps(doc, indent=1))
-    plot(runs, out / "step_profile.png")
-    print(f"wrote {out / 'step_profile.json'} and step_profile.png")
+           "read_bandwidth_gbs": read_gbs, "compile_decode": args.compile_decode, "compile_s": compile_s,
+           "runs": runs, "bf16_speedup": speedup}
+    name = "step_profile_compiled" if args.compile_decode else "step_profile"
+    (out / f"{name}.json").write_text(json.dumps(doc, indent=1))
+    plot(runs, out / f"{name}.png", "compiled decode pass" if args.compile_decode else "eager")
+    print(f"wrote {out / name}.json and {name}.png")
 
 
 if __name__ == "__main__":

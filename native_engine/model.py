@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import json
 import math
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -117,18 +120,29 @@ def rope_inv_freq(args: ModelArgs) -> torch.Tensor:
 
 
 def rope_tables(args: ModelArgs, length: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin tables [length, Dh] in float32 (HF's rotate-half layout: halves repeated)."""
+    """cos, sin tables [length, Dh] in float32 (HF's rotate-half layout: halves repeated;
+    apply_rope takes the sin table through `signed_sin`)."""
     pos = torch.arange(length, dtype=torch.float64)
     freqs = torch.outer(pos, rope_inv_freq(args))  # [length, Dh/2]
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().float().to(device), emb.sin().float().to(device)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, T, heads, Dh]; cos/sin [B, T, 1, Dh] gathered at each token's position, in x's
-    dtype (as HF's rotary embedding casts them: bfloat16 models rotate in bfloat16)."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x [B, T, heads, Dh]; cos/sin_signed [B, T, 1, Dh] gathered at each token's position, in
+    x's dtype (as HF's rotary embedding casts them: bfloat16 models rotate in bfloat16).
+
+    HF's x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1], in fewer ops: the halves
+    swapped by one flip, the sign carried by `sin_signed` = [-sin1, sin2] (`signed_sin`). The
+    same bits: negating a factor is exact."""
     half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+    return x * cos + x.unflatten(-1, (2, half)).flip(-2).flatten(-2) * sin_signed
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin [..., Dh] with its first half negated: apply_rope's form of the table."""
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
 
 
 # ----------------------------------------------------------------------------------- layers
@@ -162,10 +176,10 @@ class Attention(nn.Module):
         self.qkv_proj = _concat_linears(parts)
         del self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x, cos, sin, mask, cache: KVCache | None, row_start: int, write_pos, key_len: int,
-                packed: Packing | None = None) -> torch.Tensor:
-        """x [B, T, D] ([1, N, D] when `packed`); mask [B, 1, T, S] bool (True = attend), or
-        None when every query attends every key; write_pos [B, T] cache positions."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packed: Packing | None = None
+                ) -> torch.Tensor:
+        """x [B, T, D] ([1, N, D] when `packed`); cos/sin [B, T, 1, Dh]. The cache, its write
+        positions and the mask come from the forward in progress (`ForwardInputs`)."""
         a = self.args
         if self.qkv_proj is not None:
             qkv = self.qkv_proj(x)
@@ -179,15 +193,59 @@ class Attention(nn.Module):
         q, k = apply_rope(qk.view(B, T, a.n_heads + a.n_kv_heads, a.head_dim), cos, sin).split(
             [a.n_heads, a.n_kv_heads], dim=2)
         v = v.view(B, T, a.n_kv_heads, a.head_dim)
-        if cache is None:  # no cache: attend among the given tokens only (S = T)
-            keys, values = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, Dh]
-        else:
-            keys, values = cache.update(self.layer, row_start, write_pos, k, v, key_len)  # [B, Hkv, S, Dh]
-        out = attend(q.transpose(1, 2), keys, values, mask)  # [B, H, T, Dh]
-        out = out.transpose(1, 2).reshape(B, T, a.n_heads * a.head_dim)
+        # Traced by torch.compile, the cache write and attention are one opaque op: what varies
+        # per step (key length, mask, rows) stays out of the compiled graph.
+        attention = _cached_attention_op if torch.compiler.is_compiling() else cached_attention
+        out = attention(q, k, v, self.layer)  # [B, T, H * Dh]
         if packed is not None:
             out = packed.pack(out)
         return self.o_proj(out)
+
+
+@dataclass(frozen=True)
+class ForwardInputs:
+    """What every layer's attention reads in one forward, set by `Transformer.forward`.
+
+    mask [B, 1, T, S] bool (True = attend), or None when every query attends every key.
+    cache, row_start, write_pos [B, T], key_len: the new keys/values go to cache positions
+    `write_pos` of rows row_start .. row_start + B - 1; attention reads positions [0, key_len).
+    Without a cache, the tokens attend among themselves (S = T)."""
+
+    mask: torch.Tensor | None
+    cache: KVCache | None
+    row_start: int
+    write_pos: torch.Tensor | None
+    key_len: int
+
+
+_forward = threading.local()  # .inputs: the ForwardInputs of the forward running on this thread
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    """Write k, v [B, T, Hkv, Dh] to the cache of the forward in progress, then attention of
+    the (rotated) queries q [B, T, H, Dh] over its keys. Returns [B, T, H * Dh]."""
+    s: ForwardInputs = _forward.inputs
+    if s.cache is None:
+        keys, values = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, Dh]
+    else:
+        keys, values = s.cache.update(layer, s.row_start, s.write_pos, k, v, s.key_len)  # [B, Hkv, S, Dh]
+    B, T, H, Dh = q.shape
+    return attend(q.transpose(1, 2), keys, values, s.mask).transpose(1, 2).reshape(B, T, H * Dh)
+
+
+# How vLLM compiles a model around its attention (its unified_attention op reads a forward
+# context the same way): the op takes the step's new tokens only, and reads the cache, mask and
+# key length from `_forward`, so those neither enter the graph nor cause recompiles. It writes
+# the cache without declaring it: its output feeds the next layer, so nothing reorders or drops it.
+@torch.library.custom_op("adaspec::cached_attention", mutates_args=())
+def _cached_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    return cached_attention(q, k, v, layer)
+
+
+@_cached_attention_op.register_fake
+def _(q, k, v, layer):
+    B, T, H, Dh = q.shape
+    return q.new_empty(B, T, H * Dh)
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -272,9 +330,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x, cos, sin, mask, cache, row_start, write_pos, key_len, packed=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, row_start, write_pos, key_len,
-                               packed)
+    def forward(self, x, cos, sin, packed=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, packed)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -301,15 +358,17 @@ class Transformer(nn.Module):
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self.serving = False  # prepare_for_serving has rearranged the weights
         self.linear_choice: LinearChoice | None = None  # CPU: the CpuLinear paths, measured per token count
+        self.compiled_decode = None  # `decoder` compiled for one token per row (compile_decode)
 
     def rope(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Cached cos/sin tables covering at least `length` positions, on the model's device,
-        in its dtype."""
+        """Cached cos and signed sin tables (apply_rope's) covering at least `length` positions,
+        on the model's device, in its dtype."""
         w = self.lm_head.weight
         if (self._rope is None or self._rope[0].shape[0] < length or self._rope[0].dtype != w.dtype
                 or self._rope[0].device != w.device):
             n = max(length, 256, 2 * (self._rope[0].shape[0] if self._rope else 0))
-            self._rope = tuple(t.to(w.dtype) for t in rope_tables(self.args, n, w.device))
+            cos, sin = rope_tables(self.args, n, w.device)
+            self._rope = (cos.to(w.dtype), signed_sin(sin).to(w.dtype))
         return self._rope
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
@@ -328,12 +387,43 @@ class Transformer(nn.Module):
         cos_t, sin_t = self.rope(int(positions.max()) + 1)
         # [B, T, 1, Dh], gathered once for every layer; RoPE runs in the padded layout.
         cos, sin = cos_t[positions].unsqueeze(2), sin_t[positions].unsqueeze(2)
+        _forward.inputs = ForwardInputs(mask, cache, row_start, write_pos, key_len)
+        try:
+            if self.compiled_decode is not None and tokens.shape[1] == 1 and packed is None:
+                return self.compiled_decode(tokens, cos, sin)
+            return self.decoder(tokens, cos, sin, packed)
+        finally:
+            _forward.inputs = None
+
+    def decoder(self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packed: Packing | None = None
+                ) -> torch.Tensor:
+        """Embeddings, layers and final norm of `forward` (its attention inputs already set)."""
         if packed is not None:
             tokens = packed.pack(tokens)
         x = self.model.embed_tokens(tokens)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, mask, cache, row_start, write_pos, key_len, packed)
+            x = layer(x, cos, sin, packed)
         return self.model.norm(x)
+
+    def compile_decode(self, warm_up: Callable[[], None]) -> float:
+        """Compile `decoder` for passes of one token per row (decode steps without drafts: every
+        step of `off`, any batch size) with torch.compile (inductor, weights frozen into the
+        graph); other passes stay eager. `warm_up` runs such passes, one row and several, so the
+        compiles happen now: two graphs, the batch size symbolic in the second. Key lengths,
+        masks and cache rows never recompile: attention is an opaque op reading them from the
+        forward in progress. Returns the seconds spent (about a minute on 2 CPU cores; inductor
+        caches its kernels on disk, so a restart on the same machine is faster).
+
+        Eager decoding pays a dispatch for each of some 180 aten calls per layer (most of them
+        views); compiled, the elementwise ones run as a few fused C++ loops (docs/native-engine.md, "Compiled decode")."""
+        start = time.perf_counter()
+        self.compiled_decode = torch.compile(
+            self.decoder, options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+        # Frozen weights become constants inductor prepacks for oneDNN (torch.compile's
+        # options={"freezing": True} did not reach the weight-packing pass here).
+        with torch.no_grad(), torch._inductor.config.patch(freezing=True):
+            warm_up()
+        return time.perf_counter() - start
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [..., V] of hidden states [..., D]."""
@@ -406,7 +496,9 @@ class CpuLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if self.packed is None or rows <= self.gemv_below:
+        # Compiled (Transformer.compile_decode), the weight is a frozen constant that inductor
+        # prepacks for oneDNN itself.
+        if self.packed is None or rows <= self.gemv_below or torch.compiler.is_compiling():
             return self._gemv(x)
         return self._packed(x, rows)
 

@@ -53,6 +53,7 @@ class NativeSettings(BaseModel):
     max_model_len: int = Field(description="context window a request may use: prompt + output (tokens)")
     max_tree_nodes: int = Field(default=64, description="draft nodes per sequence per step, at most")
     tree_budget: int | None = None
+    compile_decode: bool = Field(default=False, description="compile the one-token decode pass at start")
     torch_threads: int = Field(default_factory=lambda: os.cpu_count() or 1)
 
 
@@ -102,6 +103,13 @@ class AdaspecNativeEngine(LLMEngine):
         self.tokenizer = AutoTokenizer.from_pretrained(self.settings.model_path)
         self._loop = EngineLoop(engine, self.settings.torch_threads)
         self._loop.start()
+        if self.settings.compile_decode:  # on the engine thread: inductor's kernels take its thread count
+            try:
+                seconds = await asyncio.wrap_future(self._loop.call(lambda e: e.compile_decode()))
+            except Exception as e:  # inductor's own error is long; say which setting to change
+                raise RuntimeError(f"compile_decode: torch.compile failed ({type(e).__name__}: "
+                                   f"{str(e)[:500]}); set compile_decode: false to serve eagerly") from e
+            logger.info("adaspec: decode pass compiled in %.0f s", seconds)
         dtype = str(engine.model.lm_head.weight.dtype).removeprefix("torch.")
         logger.info("adaspec: native engine started: %s, %s drafter (max depth %d), %d rows x %d tokens, policy %s, "
                     "matmuls: %s", dtype, self._caps.draft_method, self._caps.max_k,

@@ -36,7 +36,7 @@ def _engine(max_batch: int = 3, policy: str = "1-2:tree4x2x2,3+:chain2") -> Nati
 def test_tree_app_config_validates():
     check_serve_config(REPO / "configs" / "app-tree.yaml")
     cfg = AppConfig.from_yaml(str(REPO / "configs" / "app-tree.yaml"))
-    assert cfg.engine == "native" and cfg.controller.enabled and cfg.admin.enabled
+    assert cfg.engine == "native" and cfg.controller.enabled and cfg.admin.enabled and cfg.compile_decode
 
 
 @pytest.mark.parametrize("override,field", [
@@ -50,10 +50,15 @@ def test_native_rejects_what_it_cannot_honour_naming_the_field(override, field):
         AppConfig.model_validate({"engine": "native", **override})
 
 
-def test_tree_budget_needs_the_native_engine():
-    with pytest.raises(ValidationError, match="tree_budget"):
-        AppConfig.model_validate({"engine": "vllm", "tree_budget": 8})
-    assert AppConfig.model_validate({"engine": "native", "tree_budget": 8}).tree_budget == 8
+@pytest.mark.parametrize("field,value", [("tree_budget", 8), ("compile_decode", True)])
+def test_native_only_fields_need_the_native_engine(field, value):
+    with pytest.raises(ValidationError, match=field):
+        AppConfig.model_validate({"engine": "vllm", field: value})
+    cfg = AppConfig.model_validate({"engine": "native", field: value})
+    assert getattr(cfg, field) == value
+
+    from serve_app.builder import native_settings
+    assert getattr(native_settings(cfg), field) == value
 
 
 def test_tree_app_builds_native_replicas_on_one_cpu_bundle():

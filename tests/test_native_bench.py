@@ -35,6 +35,19 @@ def test_goal_checks_leave_out_unmeasured_roofline():
     assert not any("roofline" in g["goal"] for g in goals)
 
 
+def test_sampled_runs_check_only_that_the_best_speculation_does_not_lose():
+    row = lambda shape, tps: {"batch": 1, "shape": shape, "decode_tokens_per_s": tps,  # noqa: E731
+                              "median_step_ms": 1000 / tps, "mean_accepted_length": 1.0}
+    results = [row("off", 20.0), row("chain4", 18.0), row("tree2x2", 17.0), row("auto", 20.6)]
+    summary = summarize(results, (1,), weight_bytes=1, bandwidth=1.0, same_budget=[])
+    assert summary["best"][1]["best_spec"] == "auto" and summary["best"][1]["best_chain"] == "chain4"
+    (goal,) = goal_checks(summary, sampled=True)
+    assert "(auto) >= 1.0x off" in goal["goal"] and math.isclose(goal["ratio"], 1.03) and goal["met"]
+    results[-1] = row("auto", 19.0)
+    (goal,) = goal_checks(summarize(results, (1,), 1, 1.0, []), sampled=True)
+    assert "(auto)" in goal["goal"] and not goal["met"]
+
+
 def test_compare_vllm_ratio_per_batch_and_goal():
     results = [{"batch": 1, "shape": "off", "e2e_tokens_per_s": 12.0, "decode_tokens_per_s": 15.0}]
     vllm = {"runs": [{"batch": 1, "requests": 4, "e2e_tokens_per_s": 10.0, "decode_tokens_per_s": 20.0,
@@ -169,7 +182,7 @@ def test_step_profile_splits_a_real_decode_step_into_parts(tmp_path):
     run["summary"] = summary = summarize(run, read_gbs=20.0)
     assert math.isclose(summary["limit_ms"], run["weight_bytes"] / 20e6)
     assert math.isclose(summary["matmul_gbs"], run["weight_bytes"] / parts["matmul"] / 1e6)
-    plot([run], tmp_path / "p.png")
+    plot([run], tmp_path / "p.png", "eager")
     assert (tmp_path / "p.png").stat().st_size > 1000
 
 

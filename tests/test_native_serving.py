@@ -84,6 +84,12 @@ def _sse(resp: httpx.Response) -> tuple[str, list[str | None]]:
 
 
 # ----------------------------------------------------------------------------------- OpenAI API
+def test_the_replica_compiled_its_decode_pass_before_serving(tree_server):
+    log = tree_server.log_path.read_text(errors="replace")
+    compiled, started = log.find("adaspec: decode pass compiled in"), log.find("adaspec: native engine started")
+    assert 0 <= compiled < started, tree_server.log_tail()
+
+
 def test_models_lists_the_served_model(client):
     resp = client.get("/v1/models")
     assert resp.status_code == 200
@@ -92,6 +98,8 @@ def test_models_lists_the_served_model(client):
 
 @pytest.mark.parametrize("prompt", ["The capital of France is", REPETITIVE])
 def test_greedy_completion_equals_the_engine_run_directly(tree_server, reference_engine, prompt):
+    """The replica's decode pass is compiled (configs/app-tree.yaml: compile_decode), the
+    reference engine's eager: the same tokens."""
     api = openai.OpenAI(base_url=f"{URL}/v1", api_key="unused")
     out = api.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
     ids = reference_engine.generate([prompt], SamplingParams(max_tokens=24))[0]

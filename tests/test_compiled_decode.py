@@ -1,0 +1,94 @@
+"""The native engine's compiled decode pass (Transformer.compile_decode): torch.compile
+(inductor) on a tiny random model, prepared for serving as a replica prepares it.
+
+What must hold: greedy output identical to the model's own greedy decoding (eager) with
+requests of uneven lengths joining and leaving (the masked one-token passes) and with
+speculation mixing compiled one-token passes and eager verify passes; two graphs compiled at
+warm-up and none after, whatever the key lengths, batch sizes and cache rows. The real-stack
+check is tests/test_native_serving.py (configs/app-tree.yaml compiles its decode pass)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from adaspec.policy import SpecPolicy
+from native_engine.drafters import NgramDrafter
+from native_engine.engine import EngineConfig, NativeEngine
+from native_engine.model import build_model
+from native_engine.requests import SamplingParams
+from native_engine.testing import reference_greedy, tiny_args
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _graphs_compiled() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    """An engine whose target runs its one-token passes compiled, and the graphs it compiled.
+    Compiled on one thread, as the tests run (one_torch_thread): a compiled graph is kept for
+    the thread count it was compiled under."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    # init_std 0.15 makes a random model repeat itself, so n-gram drafts get accepted.
+    model = build_model(tiny_args(vocab_size=64), seed=1, init_std=0.15).prepare_for_serving()
+    engine = NativeEngine(model, NgramDrafter(max_n=3, min_n=1), EngineConfig(max_batch_size=3, max_seq_len=160))
+    before = _graphs_compiled()
+    seconds = engine.compile_decode()
+    print(f"\ncompile_decode: {seconds:.1f} s, {_graphs_compiled() - before} graphs")
+    torch.set_num_threads(threads)
+    return engine, _graphs_compiled() - before
+
+
+@pytest.fixture(scope="module")
+def eager_model():
+    return build_model(tiny_args(vocab_size=64), seed=1, init_std=0.15)
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 64, (n,), generator=gen).tolist() for n in (5, 11, 3, 8, 17)]
+
+
+@pytest.mark.parametrize("policy", ["off", "chain3"])
+def test_compiled_decode_equals_eager_greedy_and_never_recompiles(compiled, eager_model, policy):
+    engine, warm_up_graphs = compiled
+    assert warm_up_graphs == 2  # one row, and the batch size symbolic
+    engine.apply_policy(SpecPolicy.parse(policy, version=engine.policy.version + 1))
+    prompts, max_tokens = _prompts(), [40, 25, 48, 12, 33]
+    before = _graphs_compiled()
+    compiled_rows = []  # rows of each pass the compiled graph ran
+    run_compiled = engine.model.compiled_decode
+    engine.model.compiled_decode = lambda tokens, *rest: (compiled_rows.append(len(tokens)),
+                                                          run_compiled(tokens, *rest))[1]
+    engine.drain()
+    # Five requests through three rows: uneven lengths, rows refilled as requests finish.
+    outputs = [[] for _ in prompts]
+    for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
+        engine.add_request(f"{policy}-{i}", prompt, SamplingParams(max_tokens=n, ignore_eos=True))
+    try:
+        while engine.has_unfinished():
+            for out in engine.step():
+                outputs[int(out.request_id.split("-")[1])] += out.new_token_ids
+    finally:
+        engine.model.compiled_decode = run_compiled
+    for prompt, n, out in zip(prompts, max_tokens, outputs):
+        assert out == reference_greedy(eager_model, prompt, n)
+    assert _graphs_compiled() == before, "a key length, batch size or mask recompiled the decode pass"
+    assert 1 in compiled_rows and max(compiled_rows) == 3
+    if policy == "chain3":  # verify passes ran eager beside the compiled one-token passes
+        assert any(s.num_drafts for s in engine.drain().steps)
+
+
+def test_compile_decode_refuses_a_busy_engine(compiled):
+    engine, _ = compiled
+    engine.add_request("busy", [1, 2, 3], SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="before the engine takes requests"):
+        engine.compile_decode()
+    while engine.has_unfinished():
+        engine.step()
