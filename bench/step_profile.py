@@ -3,7 +3,7 @@
 For each dtype (float32, and bfloat16 where oneDNN runs it), the default model at batch 1 with
 no speculation, greedy: the median step time over `--steps` decode steps, then a
 torch.profiler profile of as many more, its ops grouped into
-- matmuls (the linears: oneDNN's packed matmul or a BLAS gemv),
+- matmuls (the linears: oneDNN's packed matmul, a BLAS gemv, or compiled, MKL's packed sgemm),
 - attention (scaled_dot_product_attention),
 - other ops (RMSNorm, RoPE, KV-cache writes, activations, residual adds, views, copies),
 - outside any op: Python, the engine's scheduling, sampling (the profiled step's wall time
@@ -19,11 +19,14 @@ Then, with both dtypes loaded, `--rounds` interleaved rounds of `--steps` steps 
 bfloat16's decode speed against float32's with a 95% bootstrap interval, called met, missed or
 inconclusive against issue 19's goal of 1.6x.
 
-`--compile-decode` compiles each engine's one-token pass first (NativeEngine.compile_decode;
-about a minute per dtype): the inductor graph's own fused kernels then count as "other ops".
+`--compile-decode` adds an engine per dtype whose one-token pass is compiled
+(NativeEngine.compile_decode; about a minute each), profiled the same way (the inductor
+graph's fused kernels count as "other ops") and timed in the same interleaved rounds: compiled
+against eager per dtype, and bfloat16 against float32 compiled too.
 
 Prints a table, writes {out}/step_profile.json and step_profile.png (step_profile_compiled.*
-with --compile-decode). Not a test; about two minutes on an idle machine (four compiled).
+with --compile-decode). Not a test; about two minutes on an idle machine (six with
+--compile-decode).
 
     .venv/bin/python -m bench.step_profile [--threads 2] [--steps 30] [--rounds 6] [--compile-decode]
         [--out bench/results/native-cpu]
@@ -49,7 +52,7 @@ from native_engine.requests import SamplingParams
 
 MODEL = "smollm2-135m-instruct"
 PROMPT = "Write a long story about a dragon who learns to read, told by the dragon."
-MATMUL_OPS = {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm", "aten::mv", "aten::addmv",
+MATMUL_OPS = {"mkldnn::_linear_pointwise", "mkl::_mkl_linear", "aten::mm", "aten::addmm", "aten::bmm", "aten::mv", "aten::addmv",
               "aten::dot"}
 PARTS = ("matmul", "attention", "other ops", "outside ops")
 BF16_GOAL = 1.6  # issue 19: batch-1 decode in bfloat16 at least 1.6x float32's tokens/s
@@ -115,10 +118,9 @@ def profile_dtype(engine: NativeEngine, steps: int) -> dict:
             "linear_choice": str(engine.model.linear_choice)}
 
 
-def interleaved_speedup(engines: dict[str, NativeEngine], steps: int, rounds: int) -> dict:
-    """bfloat16's decode speed against float32's, in `rounds` interleaved rounds of `steps`
-    steps each (the order alternating): median step float32 / bfloat16 with a 95% bootstrap
-    interval over rounds and steps (bench/compare.py), against the goal of 1.6x."""
+def interleaved_rounds(engines: dict[str, NativeEngine], steps: int, rounds: int) -> dict[str, list[list[float]]]:
+    """Seconds per decode step of every engine in `rounds` interleaved rounds of `steps` steps
+    each (the order alternating): {engine: [round's step times]}."""
     times: dict[str, list[list[float]]] = {name: [] for name in engines}
     for r in range(rounds):
         for name in engines if r % 2 == 0 else reversed(list(engines)):
@@ -126,12 +128,19 @@ def interleaved_speedup(engines: dict[str, NativeEngine], steps: int, rounds: in
             finish(engines[name])
         print(f"[step_profile] round {r + 1}/{rounds}: " + ", ".join(
             f"{n} {1000 * statistics.median(t[-1]):.1f} ms" for n, t in times.items()), flush=True)
-    interval = bootstrap_ratio(times["float32"], times["bfloat16"], lambda v: float(np.median(v)))
-    return {"rounds": rounds, "steps_per_round": steps, "ratio": interval.ratio, "low": interval.low,
-            "high": interval.high, "goal": BF16_GOAL, "verdict": interval.meets(BF16_GOAL),
-            "round_ratios": [statistics.median(a) / statistics.median(b)
-                             for a, b in zip(times["float32"], times["bfloat16"])],
-            "step_ms": {n: [1000 * statistics.median(t) for t in ts] for n, ts in times.items()}}
+    return times
+
+
+def speedup(times: dict[str, list[list[float]]], slower: str, faster: str, goal: float | None = None) -> dict:
+    """Decode speed of `faster` against `slower` from interleaved rounds: median step
+    slower / faster with a 95% bootstrap interval over rounds and steps (bench/compare.py),
+    and the verdict against `goal` if one is given."""
+    interval = bootstrap_ratio(times[slower], times[faster], lambda v: float(np.median(v)))
+    return {"of": faster, "against": slower, "rounds": len(times[faster]), "ratio": interval.ratio,
+            "low": interval.low, "high": interval.high, "goal": goal,
+            "verdict": interval.meets(goal) if goal is not None else None,
+            "round_ratios": [statistics.median(a) / statistics.median(b) for a, b in zip(times[slower], times[faster])],
+            "step_ms": {n: [1000 * statistics.median(t) for t in times[n]] for n in (slower, faster)}}
 
 
 def summarize(run: dict, read_gbs: float) -> dict:
@@ -142,7 +151,7 @@ def summarize(run: dict, read_gbs: float) -> dict:
             "shares": {p: ms / run["profiled_step_ms"] for p, ms in run["parts_ms"].items()}}
 
 
-def plot(runs: list[dict], path: Path, mode: str) -> None:
+def plot(runs: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -159,9 +168,9 @@ def plot(runs: list[dict], path: Path, mode: str) -> None:
             left += width
         ax.plot([run["summary"]["limit_ms"]] * 2, [i - 0.4, i + 0.4], color="black", linewidth=2,
                 label="weights / read bandwidth" if i == 0 else None)
-    ax.set_yticks(range(len(runs)), [r["dtype"] for r in runs])
+    ax.set_yticks(range(len(runs)), [r["engine"] for r in runs])
     ax.set_xlabel("ms per batch-1 decode step")
-    ax.set_title(f"Native engine decode step: where the time goes (SmolLM2-135M, no speculation, {mode})")
+    ax.set_title("Native engine decode step: where the time goes (SmolLM2-135M, no speculation)")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=5, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -186,44 +195,52 @@ def main() -> None:
         dtypes.append(torch.bfloat16)
     engines = {str(dtype).removeprefix("torch."): load(dtype) for dtype in dtypes}
     compile_s = {}
-    if args.compile_decode:
-        for name, engine in engines.items():
-            compile_s[name] = engine.compile_decode()
+    if args.compile_decode:  # the compiled engines beside the eager ones, measured in the same rounds
+        for dtype in dtypes:
+            name = f"{str(dtype).removeprefix('torch.')} compiled"
+            engines[name] = load(dtype)
+            compile_s[name] = engines[name].compile_decode()
             print(f"[step_profile] {name}: decode pass compiled in {compile_s[name]:.0f} s", flush=True)
     runs = []
     for name, engine in engines.items():
         print(f"[step_profile] {name}: {args.steps} steps timed, {args.steps} profiled", flush=True)
-        runs.append(profile_dtype(engine, args.steps))
-    speedup = interleaved_speedup(engines, args.steps, args.rounds) if len(engines) == 2 and args.rounds else None
+        runs.append({"engine": name, **profile_dtype(engine, args.steps)})
+    speedups = []
+    if args.rounds and len(engines) > 1:
+        times = interleaved_rounds(engines, args.steps, args.rounds)
+        for mode in ("", " compiled"):
+            if f"bfloat16{mode}" in times:
+                speedups.append(speedup(times, f"float32{mode}", f"bfloat16{mode}", BF16_GOAL))
+        for dtype in dtypes if args.compile_decode else ():
+            name = str(dtype).removeprefix("torch.")
+            speedups.append(speedup(times, name, f"{name} compiled"))
     read_gbs = machine.read_bandwidth_gbs()
     for run in runs:
         run["summary"] = summarize(run, read_gbs)
-    print(f"\nread bandwidth {read_gbs:.1f} GB/s; batch-1 decode step, no speculation, {args.threads} threads"
-          + (", decode pass compiled" if args.compile_decode else ""))
-    print("| dtype | step ms | limit ms (weights / bandwidth) | % of limit | matmul ms (GB/s) | attention ms | "
+    print(f"\nread bandwidth {read_gbs:.1f} GB/s; batch-1 decode step, no speculation, {args.threads} threads")
+    print("| engine | step ms | limit ms (weights / bandwidth) | % of limit | matmul ms (GB/s) | attention ms | "
           "other ops ms | outside ops ms | ops per step |")
     print("|---|---|---|---|---|---|---|---|---|")
     for run in runs:
         s, p = run["summary"], run["parts_ms"]
-        print(f"| {run['dtype']} | {run['step_ms']:.1f} | {s['limit_ms']:.1f} ({run['weight_bytes'] / 1e6:.0f} MB) | "
+        print(f"| {run['engine']} | {run['step_ms']:.1f} | {s['limit_ms']:.1f} ({run['weight_bytes'] / 1e6:.0f} MB) | "
               f"{100 * s['fraction_of_limit']:.0f}% | {p['matmul']:.1f} ({s['matmul_gbs']:.1f}) | "
               f"{p['attention']:.1f} | {p['other ops']:.1f} | {p['outside ops']:.1f} | {run['ops_per_step']:.0f} |")
     print("(parts from the profiled steps, which the profiler slows a little: "
-          + ", ".join(f"{r['dtype']} {r['profiled_step_ms']:.1f} ms" for r in runs) + ")")
-    if speedup is not None:
-        print(f"bfloat16 / float32 decode speed, {args.rounds} interleaved rounds: {speedup['ratio']:.2f}x "
-              f"[{speedup['low']:.2f}, {speedup['high']:.2f}] (rounds: "
-              + ", ".join(f"{r:.2f}" for r in speedup["round_ratios"])
-              + f"); goal >= {BF16_GOAL}x: {speedup['verdict']}")
+          + ", ".join(f"{r['engine']} {r['profiled_step_ms']:.1f} ms" for r in runs) + ")")
+    for sp in speedups:
+        print(f"{sp['of']} / {sp['against']} decode speed, {sp['rounds']} interleaved rounds: {sp['ratio']:.2f}x "
+              f"[{sp['low']:.2f}, {sp['high']:.2f}] (rounds: " + ", ".join(f"{r:.2f}" for r in sp["round_ratios"])
+              + ")" + (f"; goal >= {sp['goal']}x: {sp['verdict']}" if sp["goal"] else ""))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     doc = {"command": "python -m bench.step_profile " + " ".join(f"--{k} {v}" for k, v in vars(args).items()),
            "machine": {**described, **machine.at_end(described)}, "model": MODEL, "threads": args.threads,
            "read_bandwidth_gbs": read_gbs, "compile_decode": args.compile_decode, "compile_s": compile_s,
-           "runs": runs, "bf16_speedup": speedup}
+           "runs": runs, "speedups": speedups}
     name = "step_profile_compiled" if args.compile_decode else "step_profile"
     (out / f"{name}.json").write_text(json.dumps(doc, indent=1))
-    plot(runs, out / f"{name}.png", "compiled decode pass" if args.compile_decode else "eager")
+    plot(runs, out / f"{name}.png")
     print(f"wrote {out / name}.json and {name}.png")
 
 

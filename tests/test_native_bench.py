@@ -169,7 +169,7 @@ def test_step_profile_splits_a_real_decode_step_into_parts(tmp_path):
 
     from bench.step_profile import PARTS, load, part_of, plot, profile_dtype, summarize
 
-    assert part_of("mkldnn::_linear_pointwise") == part_of("aten::addmm") == "matmul"
+    assert part_of("mkldnn::_linear_pointwise") == part_of("aten::addmm") == part_of("mkl::_mkl_linear") == "matmul"
     assert part_of("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
     assert part_of("aten::rms_norm") == "other ops"
     run = profile_dtype(load(torch.float32), steps=3)
@@ -182,7 +182,7 @@ def test_step_profile_splits_a_real_decode_step_into_parts(tmp_path):
     run["summary"] = summary = summarize(run, read_gbs=20.0)
     assert math.isclose(summary["limit_ms"], run["weight_bytes"] / 20e6)
     assert math.isclose(summary["matmul_gbs"], run["weight_bytes"] / parts["matmul"] / 1e6)
-    plot([run], tmp_path / "p.png", "eager")
+    plot([{"engine": "float32", **run}], tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 1000
 
 
@@ -191,13 +191,13 @@ def test_step_profile_compares_the_dtypes_in_interleaved_rounds():
     interval holds it, and the verdict against the 1.6x goal follows from the interval."""
     import torch
 
-    from bench.step_profile import BF16_GOAL, interleaved_speedup, load
+    from bench.step_profile import BF16_GOAL, interleaved_rounds, load, speedup
     from native_engine.dtype_choice import cpu_has_bf16
 
     if not cpu_has_bf16():
         pytest.skip("this CPU has no oneDNN bfloat16")
     engines = {"float32": load(torch.float32), "bfloat16": load(torch.bfloat16)}
-    out = interleaved_speedup(engines, steps=3, rounds=2)
+    out = speedup(interleaved_rounds(engines, steps=3, rounds=2), "float32", "bfloat16", BF16_GOAL)
     assert [len(v) for v in out["step_ms"].values()] == [2, 2] and len(out["round_ratios"]) == 2
     assert out["low"] <= out["ratio"] <= out["high"]
     assert out["verdict"] == ("met" if out["low"] >= BF16_GOAL else "missed" if out["high"] < BF16_GOAL
