@@ -497,8 +497,9 @@ class CpuLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         # Compiled (Transformer.compile_decode), the weight is a frozen constant that inductor
-        # prepacks for oneDNN itself.
-        if self.packed is None or rows <= self.gemv_below or torch.compiler.is_compiling():
+        # prepacks itself. is_compiling() comes first: `rows <= gemv_below` on a symbolic batch
+        # size would put a guard on it, and a batch above gemv_below would recompile mid-serving.
+        if torch.compiler.is_compiling() or self.packed is None or rows <= self.gemv_below:
             return self._gemv(x)
         return self._packed(x, rows)
 
