@@ -126,15 +126,18 @@ class StepCost:
     """Step seconds as a piecewise-linear function of the tokens verified (the slope may change
     at COST_KNOTS: flat while the weights' memory traffic dominates, steeper once compute
     does), plus terms per sequence, per padded token (attention runs over every row padded
-    to the longest tree: one deep tree makes every row's attention longer) and per thousand
-    KV tokens attended; fitted by recursive least squares with forgetting over the engine's
-    decode steps (about the last 100), so the fit follows the regime the engine runs in now."""
+    to the longest tree: one deep tree makes every row's attention longer), per thousand
+    KV tokens attended, and a step for verifying any draft at all: a pass of one token per
+    row takes another path than a verify pass (the compiled graph under compile_decode, the
+    one-token matmul layout eagerly), so the first node costs more than the next ones.
+    Fitted by recursive least squares with forgetting over the engine's decode steps (about
+    the last 100), so the fit follows the regime the engine runs in now."""
 
     forgetting: float = 0.99
     theta: np.ndarray = field(default_factory=lambda: np.array(
-        [0.02, 0.002, 0.001] + [0.002] * len(COST_KNOTS) + [0.0005, 0.001]))
+        [0.02, 0.002, 0.001] + [0.002] * len(COST_KNOTS) + [0.0005, 0.001, 0.0]))
     # A loose prior (1 s of standard deviation per coefficient): a few steps outweigh it.
-    cov: np.ndarray = field(default_factory=lambda: np.eye(3 + len(COST_KNOTS) + 2))
+    cov: np.ndarray = field(default_factory=lambda: np.eye(3 + len(COST_KNOTS) + 3))
     samples: int = 0
 
     @staticmethod
@@ -144,7 +147,7 @@ class StepCost:
         cols = [np.ones_like(tokens), np.full_like(tokens, float(seqs)), tokens]
         cols += [np.maximum(tokens - k, 0.0) for k in COST_KNOTS]
         cols += [np.broadcast_to(np.asarray(padded_tokens, dtype=float), tokens.shape),
-                 np.full_like(tokens, context_tokens / 1000.0)]
+                 np.full_like(tokens, context_tokens / 1000.0), (tokens > seqs).astype(float)]
         return np.stack(cols, axis=-1)
 
     def add(self, duration_s: float, seqs: int, tokens: int, padded_tokens: int, context_tokens: int) -> None:

@@ -114,6 +114,27 @@ def test_step_cost_fit_recovers_a_roofline_and_never_decreases():
     assert one_tree[12] > spread[12] + 0.01
 
 
+def test_step_cost_fit_prices_the_first_draft_node_apart():
+    """A one-token pass runs another path (compiled, or the one-token matmul layout) than a
+    verify pass: the first draft node costs 5 ms, the next ones 0.2 ms each."""
+    def true_seconds(seqs, tokens):
+        return 0.024 + 0.001 * seqs + (0.005 if tokens > seqs else 0.0) + 0.0002 * (tokens - seqs)
+
+    cost, rng = StepCost(), random.Random(2)
+    for _ in range(300):
+        seqs = rng.randint(1, 4)
+        extra = 0 if rng.random() < 0.7 else rng.randint(1, 12)  # mostly undrafted, as budgets run
+        cost.add(true_seconds(seqs, seqs + extra), seqs, seqs + extra, seqs * (1 + -(-extra // seqs)), 1000)
+    steps = cost.step_seconds(1, 1000, np.arange(9, dtype=float))
+    assert steps[0] == pytest.approx(true_seconds(1, 1), abs=5e-4)
+    assert steps[1] - steps[0] == pytest.approx(0.0052, abs=1e-3)
+    assert steps[8] - steps[1] == pytest.approx(7 * 0.0002, abs=1e-3)
+    # A node accepted with p = 0.15 does not pay for the jump (1.15 tokens for 21% more time);
+    # four at 0.5, 0.45, 0.4, 0.35 do (2.7 tokens for 24% more).
+    assert best_budget([0.15] + [0.0] * 7, 1, steps) == 0
+    assert best_budget([0.5, 0.45, 0.4, 0.35] + [0.0] * 4, 1, steps) == 4
+
+
 # ----------------------------------------------------------------------------------- the engine
 @pytest.fixture(scope="module")
 def target():

@@ -23,6 +23,7 @@ from native_engine.tree import (
     tree_mask,
 )
 from native_engine.verify import (
+    NUCLEUS_TOP_K,
     accept_greedy,
     accept_sampled,
     accept_sampled_from_draft,
@@ -95,6 +96,21 @@ def test_greedy_acceptance_takes_the_matching_branch():
 def test_top_p_keeps_the_nucleus():
     probs = probs_from_logits(torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])), 1.0, top_p=0.7)
     assert torch.allclose(probs, torch.tensor([[0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0]]), atol=1e-6)
+
+
+@pytest.mark.parametrize("scale", [8.0, 0.5])  # a peaked row (nucleus within the top k) and a flat one
+def test_top_p_on_a_large_vocabulary_equals_the_nucleus_of_a_full_sort(scale):
+    logits = torch.randn(3, 49152, generator=torch.Generator().manual_seed(0)) * scale
+    probs = probs_from_logits(logits, 0.7, top_p=0.9)
+    full = torch.softmax(logits / 0.7, dim=-1)
+    sorted_p, order = full.sort(dim=-1, descending=True)
+    keep = (sorted_p.cumsum(-1) - sorted_p) < 0.9
+    expected = torch.zeros_like(full).scatter_(-1, order, sorted_p * keep)
+    expected = expected / expected.sum(-1, keepdim=True)
+    assert torch.allclose(probs, expected, atol=1e-7)
+    kept = (probs > 0).sum(-1)
+    # The peaked rows' nucleus fits the top-k path; the flat rows' needs the full sort.
+    assert bool((kept < NUCLEUS_TOP_K).all()) if scale > 1 else bool((kept > NUCLEUS_TOP_K).all())
 
 
 def _two_level_tree():
