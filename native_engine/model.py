@@ -419,7 +419,8 @@ class Transformer(nn.Module):
         start = time.perf_counter()
         self.compiled_decode = torch.compile(
             self.decoder, options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
-        # Frozen weights become constants inductor prepacks for oneDNN (torch.compile's
+        # Frozen weights become constants inductor lays out for its matmuls (MKL's packed sgemm
+        # for fp32 at one row, oneDNN's packed matmul for bf16; torch.compile's
         # options={"freezing": True} did not reach the weight-packing pass here).
         with torch.no_grad(), torch._inductor.config.patch(freezing=True):
             warm_up()
