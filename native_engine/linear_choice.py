@@ -1,14 +1,18 @@
 """Which matmul path a CPU model's linears take, per number of tokens in a pass: measured.
 
-A `CpuLinear` (native_engine/model.py) keeps two layouts of its weight: input-major for a
-plain `x @ W_t` ("gemv"), and oneDNN's prepacked blocked layout ("packed"). Which is faster
-depends on the CPU, its BLAS, the dtype, the model's shapes and the number of rows: on this
-project's 2-core machine each has won at one token on different days. So when a model is
-prepared for serving, whole forwards of 1, 2, 4 and 8 tokens are timed with each path
-(interleaved), and the model uses gemv up to the largest token count where gemv won at
-that count and every smaller one (`gemv_below`), packed above. The answer is cached per
-machine (CPU model, cores, torch threads, torch version) and model shape and dtype, in
-$ADASPEC_CACHE_DIR/linear-choice.json, so a restart does not measure again.
+A `CpuLinear` (native_engine/model.py) can run its weight three ways:
+- "gemv": input-major [in, out], a plain `x @ W_t` (MKL's GEMV at one row);
+- "linear": the usual [out, in] layout, `F.linear` (MKL's sgemm on a transposed operand, which
+  at 2-3 rows streams each weight row once for all of them: chain1/chain2 verify passes);
+- "packed": oneDNN's prepacked blocked layout (verify passes, batches, prefill).
+Which is fastest depends on the CPU, its BLAS, the dtype, the model's shapes and the number
+of rows: on this project's 2-core machine "gemv" and "packed" have each won at one token on
+different days, and "linear" beat both by 15% at 2-3 rows in float32 and lost everywhere in
+bfloat16 (docs/native-engine.md). So when a model is prepared for serving, whole forwards of
+TOKEN_COUNTS tokens are timed on each path (interleaved), and a pass of r rows takes the path
+that was fastest at the smallest timed count >= r; above the largest, the packed layout. The
+answer is cached per machine (CPU model, cores, torch threads, torch version) and model shape
+and dtype, in $ADASPEC_CACHE_DIR/linear-choice.json, so a restart does not measure again.
 """
 
 from __future__ import annotations
@@ -24,23 +28,38 @@ import torch
 
 from adaspec.models import cache_dir
 
-TOKEN_COUNTS = (1, 2, 4, 8)  # tokens per pass that are timed (a batch-1 decode, short verify passes)
+PATHS = ("gemv", "linear", "packed")
+TOKEN_COUNTS = (1, 2, 3, 4, 8)  # tokens per pass that are timed (a batch-1 decode, short verify passes)
 REPS = 3  # timed forwards per path and token count, after one warm-up each
 
 
 @dataclass
 class LinearChoice:
-    """gemv for passes of at most `gemv_below` rows, packed above (0: packed always)."""
+    """The fastest path at each timed token count; more rows than the largest take "packed"."""
 
-    gemv_below: int
+    path_by_tokens: dict[int, str]  # timed token count -> the path a pass of up to that many rows takes
     times_ms: dict[str, dict[int, float]] = field(default_factory=dict)  # path -> tokens -> ms per forward
     cached: bool = False  # read from the cache file, not measured in this process
 
+    def route(self) -> tuple[str, ...]:
+        """The path of a pass of r rows at index r (index 0 unused); the last entry is the
+        path of every wider pass."""
+        counts = sorted(self.path_by_tokens)
+        by_rows = [self.path_by_tokens[min(c for c in counts if c >= r)] for r in range(1, counts[-1] + 1)]
+        return (by_rows[0], *by_rows, "packed")
+
     def __str__(self) -> str:
-        how = "cached" if self.cached else "measured"
-        if self.gemv_below == 0:
-            return f"oneDNN packed at every token count ({how})"
-        return f"input-major gemv up to {self.gemv_below} token(s) per pass, oneDNN packed above ({how})"
+        route = self.route()
+        runs: list[list] = []  # [first rows, last rows (None: and above), path]
+        for rows, path in enumerate(route[1:], start=1):
+            if runs and runs[-1][2] == path:
+                runs[-1][1] = rows
+            else:
+                runs.append([rows, rows, path])
+        runs[-1][1] = None
+        ranges = ", ".join(f"{first}{'+' if last is None else '' if last == first else f'-{last}'}: {path}"
+                           for first, last, path in runs)
+        return f"matmul path by tokens per pass {ranges} ({'cached' if self.cached else 'measured'})"
 
 
 def machine_key() -> str:
@@ -93,40 +112,39 @@ def write_cached(name: str, key: str, entry: dict) -> None:
 
 def choose(model, linears: list, key: str) -> LinearChoice:
     """The cached choice for `key`, else one measured on `model` (and cached)."""
+    key = f"{key}|paths={','.join(PATHS)}|tokens={','.join(map(str, TOKEN_COUNTS))}"
     known = read_cached("linear-choice.json", key)
     if known is not None:
-        return LinearChoice(known["gemv_below"], {p: {int(t): ms for t, ms in v.items()}
-                                                   for p, v in known["times_ms"].items()}, cached=True)
+        return LinearChoice({int(t): p for t, p in known["path_by_tokens"].items()},
+                            {p: {int(t): ms for t, ms in v.items()} for p, v in known["times_ms"].items()},
+                            cached=True)
     choice = measure(model, linears)
-    write_cached("linear-choice.json", key, {"gemv_below": choice.gemv_below, "times_ms": choice.times_ms})
+    write_cached("linear-choice.json", key, {"path_by_tokens": choice.path_by_tokens, "times_ms": choice.times_ms})
     return choice
 
 
 @torch.no_grad()
 def measure(model, linears: list, clock=time.perf_counter) -> LinearChoice:
-    """Time forwards of TOKEN_COUNTS tokens with every linear on each path, interleaved;
-    `clock` gives seconds."""
+    """Time forwards of TOKEN_COUNTS tokens with every linear on each path, interleaved (the
+    order alternates between repetitions); `clock` gives seconds."""
     from native_engine.model import causal_mask
 
-    times: dict[str, dict[int, float]] = {"gemv": {}, "packed": {}}
+    times: dict[str, dict[int, float]] = {path: {} for path in PATHS}
+    for m in linears:
+        m.use(PATHS)  # every path's layout exists while they are timed
     for tokens in TOKEN_COUNTS:
         ids = torch.zeros((1, tokens), dtype=torch.long)
         pos = torch.arange(tokens)[None]
         mask = causal_mask(torch.tensor([tokens]), tokens)
-        best = {"gemv": float("inf"), "packed": float("inf")}
+        best = dict.fromkeys(PATHS, float("inf"))
         for rep in range(REPS + 1):
-            for path in ("gemv", "packed") if rep % 2 == 0 else ("packed", "gemv"):
+            for path in PATHS if rep % 2 == 0 else PATHS[::-1]:
                 for m in linears:
-                    m.gemv_below = tokens if path == "gemv" else 0
+                    m.route = (path,) * (tokens + 1)  # this path at up to `tokens` rows
                 start = clock()
                 model.logits(model(ids, pos, mask)[:, -1])
                 if rep > 0:  # the first of each is a warm-up
                     best[path] = min(best[path], clock() - start)
-        for path in best:
+        for path in PATHS:
             times[path][tokens] = 1e3 * best[path]
-    gemv_below = 0
-    for tokens in TOKEN_COUNTS:
-        if times["gemv"][tokens] >= times["packed"][tokens]:
-            break
-        gemv_below = tokens
-    return LinearChoice(gemv_below, times)
+    return LinearChoice({t: min(PATHS, key=lambda p: times[p][t]) for t in TOKEN_COUNTS}, times)

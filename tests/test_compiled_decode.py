@@ -38,12 +38,12 @@ def compiled():
     # init_std 0.15 makes a random model repeat itself, so n-gram drafts get accepted.
     model = build_model(tiny_args(vocab_size=64), seed=1, init_std=0.15).prepare_for_serving()
     # Eager, passes of up to 2 rows take the one-token matmul path and wider ones the packed
-    # path (gemv_below is measured per machine; fixed here): the warm-up's two rows sit inside
+    # path (the route is measured per machine; fixed here): the warm-up's two rows sit inside
     # that range and the tests' three rows outside it, so a graph guarded on that branch would
     # recompile at three rows.
     for m in model.modules():
         if isinstance(m, CpuLinear):
-            m.gemv_below = 2
+            m.use(("gemv", "gemv", "gemv", "packed"))
     engine = NativeEngine(model, NgramDrafter(max_n=3, min_n=1), EngineConfig(max_batch_size=3, max_seq_len=160))
     before = _graphs_compiled()
     seconds = engine.compile_decode()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from native_engine import dtype_choice, linear_choice
-from native_engine.linear_choice import TOKEN_COUNTS
+from native_engine.linear_choice import PATHS, TOKEN_COUNTS, LinearChoice
 from native_engine.model import CpuLinear, build_model
 from native_engine.testing import tiny_args
 
@@ -42,26 +42,46 @@ def _linears(model) -> list[CpuLinear]:
     return [m for m in model.modules() if isinstance(m, CpuLinear)]
 
 
-def test_the_faster_path_is_chosen_when_the_other_is_made_slow(monkeypatch):
+@pytest.mark.parametrize("fast", PATHS)
+def test_the_fastest_path_is_chosen_when_the_others_are_made_slow(monkeypatch, fast):
     model = build_model(tiny_args(), seed=1).prepare_for_serving()
-    with monkeypatch.context() as m:
-        clock = SlowPathClock()
-        m.setattr(CpuLinear, "_packed", clock.slowed(CpuLinear._packed))
-        choice = linear_choice.measure(model, _linears(model), clock)
-    assert choice.gemv_below == max(TOKEN_COUNTS), choice
-    assert all(choice.times_ms["gemv"][t] < choice.times_ms["packed"][t] for t in TOKEN_COUNTS)
-    with monkeypatch.context() as m:
-        clock = SlowPathClock()
-        m.setattr(CpuLinear, "_gemv", clock.slowed(CpuLinear._gemv))
-        choice = linear_choice.measure(model, _linears(model), clock)
-    assert choice.gemv_below == 0, choice
+    clock = SlowPathClock()
+    for path in PATHS:
+        if path != fast:
+            method = getattr(CpuLinear, f"_{path}")
+            monkeypatch.setattr(CpuLinear, f"_{path}", clock.slowed(method))
+    choice = linear_choice.measure(model, _linears(model), clock)
+    assert choice.path_by_tokens == dict.fromkeys(TOKEN_COUNTS, fast), choice
+    assert all(choice.times_ms[fast][t] < choice.times_ms[p][t] for t in TOKEN_COUNTS for p in PATHS if p != fast)
+
+
+def test_a_path_that_wins_only_at_some_token_counts_gets_only_those():
+    """Passes of r rows take the winner at the smallest timed count >= r; above the largest,
+    the packed layout; the [out, in] copy exists only where a route uses it."""
+    choice = LinearChoice({1: "gemv", 2: "linear", 3: "linear", 4: "packed", 8: "packed"})
+    route = choice.route()
+    assert route[1:4] == ("gemv", "linear", "linear") and set(route[4:]) == {"packed"}
+    assert str(choice) == "matmul path by tokens per pass 1: gemv, 2-3: linear, 4+: packed (measured)"
+    linear = CpuLinear(torch.nn.Linear(16, 24, bias=False))
+    linear.use(route)
+    assert linear.weight_out_in is not None and torch.equal(linear.weight_out_in, linear.weight)
+    calls = []
+    for path in PATHS:
+        method = getattr(linear, f"_{path}")
+        setattr(linear, f"_{path}", lambda *a, path=path, method=method: calls.append(path) or method(*a))
+    with torch.no_grad():
+        for rows in (1, 2, 3, 4, 9, 40):
+            linear(torch.randn(rows, 16))
+    assert calls == ["gemv", "linear", "linear", "packed", "packed", "packed"]
+    linear.use(LinearChoice(dict.fromkeys(TOKEN_COUNTS, "gemv")).route())
+    assert linear.weight_out_in is None
 
 
 def test_preparing_a_model_applies_the_choice_and_a_restart_reads_it_from_the_cache(monkeypatch):
     model = build_model(tiny_args(), seed=1).prepare_for_serving()
     first = model.linear_choice
     assert first is not None and not first.cached
-    assert {m.gemv_below for m in _linears(model)} == {first.gemv_below}
+    assert {m.route for m in _linears(model)} == {first.route()}
     assert linear_choice.cache_file().is_file()
 
     def no_measuring(*args):
@@ -69,13 +89,13 @@ def test_preparing_a_model_applies_the_choice_and_a_restart_reads_it_from_the_ca
 
     monkeypatch.setattr(linear_choice, "measure", no_measuring)
     again = build_model(tiny_args(), seed=2).prepare_for_serving()  # same shape and dtype, other weights
-    assert again.linear_choice.cached and again.linear_choice.gemv_below == first.gemv_below
+    assert again.linear_choice.cached and again.linear_choice.path_by_tokens == first.path_by_tokens
     assert str(again.linear_choice).endswith("(cached)")
     with pytest.raises(AssertionError, match="measured again"):  # another shape is measured
         build_model(tiny_args(vocab_size=50), seed=2).prepare_for_serving()
 
 
-def test_both_paths_give_the_same_logits():
+def test_every_path_gives_the_same_logits():
     model = build_model(tiny_args(), seed=3, init_std=0.1).prepare_for_serving()
     tokens = torch.tensor([[5, 1, 4]])
     pos = torch.arange(3)[None]
@@ -83,11 +103,12 @@ def test_both_paths_give_the_same_logits():
 
     out = {}
     with torch.no_grad():
-        for gemv_below in (0, 8):
+        for path in PATHS:
             for m in _linears(model):
-                m.gemv_below = gemv_below
-            out[gemv_below] = model.logits(model(tokens, pos, causal_mask(torch.tensor([3]), 3)))
-    assert torch.allclose(out[0], out[8], atol=1e-5)
+                m.use((path,) * 4)
+            out[path] = model.logits(model(tokens, pos, causal_mask(torch.tensor([3]), 3)))
+    assert torch.allclose(out["gemv"], out["packed"], atol=1e-5)
+    assert torch.allclose(out["gemv"], out["linear"], atol=1e-5)
 
 
 def _tiny_folder(folder):

@@ -116,18 +116,18 @@ def test_prepare_for_serving_keeps_the_logits(arch, tie):
         assert torch.allclose(after, before, atol=1e-5), (after - before).abs().max()
 
 
-@pytest.mark.parametrize("path", ["gemv", "packed"])
-def test_bfloat16_cpu_linear_matches_nn_linear_on_both_paths(path):
+@pytest.mark.parametrize("path", ["gemv", "linear", "packed"])
+def test_bfloat16_cpu_linear_matches_nn_linear_on_every_path(path):
     """bf16 weights get oneDNN's prepacked layout too where the CPU supports bf16 (fp32
-    accumulation): both paths agree with nn.Linear within bf16 rounding of the output."""
+    accumulation): every path agrees with nn.Linear within bf16 rounding of the output."""
     from native_engine.model import CpuLinear
 
     if path == "packed" and not cpu_has_bf16():
         pytest.skip("this CPU has no oneDNN bf16")
     linear = torch.nn.Linear(96, 160, bias=False).to(torch.bfloat16)
     fast = CpuLinear(linear)
-    assert path == "gemv" or fast.packed is not None
-    fast.gemv_below = 1 if path == "gemv" else 0  # several rows take the packed layout whenever there is one
+    assert path != "packed" or fast.packed is not None
+    fast.use((path,) * 6)
     for rows in (1, 5):
         x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
         with torch.no_grad():
