@@ -165,16 +165,21 @@ class NativeEngine:
                                   max_tree_nodes=self.config.max_tree_nodes)
 
     def compile_decode(self) -> float:
-        """Compile the target's one-token passes (Transformer.compile_decode) and warm them up
-        on cache rows 0 and 1 at position 0, before any request runs (a prefill overwrites
-        those entries). Returns the seconds spent."""
+        """Compile the target's one-token passes and batch-1 verify passes
+        (Transformer.compile_decode) and warm them up on cache rows 0 and 1 at positions 0-2,
+        before any request runs (a prefill overwrites those entries). Returns the seconds spent."""
         if self.has_unfinished():
             raise RuntimeError("compile_decode runs before the engine takes requests")
 
         def warm_up() -> None:
-            for rows in sorted({1, min(2, self.cache.rows)}):
+            for rows in sorted({1, min(2, self.cache.rows)}):  # one token per row
                 zeros = torch.zeros((rows, 1), dtype=torch.long, device=self.device)
                 self.model(zeros, zeros, None, self.cache, 0, zeros, 1)
+            for tokens in (2, 3):  # a verify pass at batch 1: the token count becomes symbolic
+                ids = torch.zeros((1, tokens), dtype=torch.long, device=self.device)
+                pos = torch.arange(tokens, device=self.device)[None]
+                mask = causal_mask(torch.tensor([tokens], device=self.device), tokens)
+                self.model(ids, pos, mask, self.cache, 0, pos, tokens)
 
         return self.model.compile_decode(warm_up)
 

@@ -218,6 +218,10 @@ class ForwardInputs:
     key_len: int
 
 
+# Compiled (compile_decode), a batch-1 pass of up to this many tokens runs the compiled graph:
+# verify passes of chains and trees (a tree of 63 nodes), short prefills.
+COMPILED_TOKENS_AT_BATCH_1 = 64
+
 _forward = threading.local()  # .inputs: the ForwardInputs of the forward running on this thread
 
 
@@ -389,7 +393,8 @@ class Transformer(nn.Module):
         cos, sin = cos_t[positions].unsqueeze(2), sin_t[positions].unsqueeze(2)
         _forward.inputs = ForwardInputs(mask, cache, row_start, write_pos, key_len)
         try:
-            if self.compiled_decode is not None and tokens.shape[1] == 1 and packed is None:
+            if self.compiled_decode is not None and packed is None and (
+                    tokens.shape[1] == 1 or (tokens.shape[0] == 1 and tokens.shape[1] <= COMPILED_TOKENS_AT_BATCH_1)):
                 return self.compiled_decode(tokens, cos, sin)
             return self.decoder(tokens, cos, sin, packed)
         finally:
@@ -406,13 +411,16 @@ class Transformer(nn.Module):
         return self.model.norm(x)
 
     def compile_decode(self, warm_up: Callable[[], None]) -> float:
-        """Compile `decoder` for passes of one token per row (decode steps without drafts: every
-        step of `off`, any batch size) with torch.compile (inductor, weights frozen into the
-        graph); other passes stay eager. `warm_up` runs such passes, one row and several, so the
-        compiles happen now: two graphs, the batch size symbolic in the second. Key lengths,
-        masks and cache rows never recompile: attention is an opaque op reading them from the
-        forward in progress. Returns the seconds spent (about a minute on 2 CPU cores; inductor
-        caches its kernels on disk, so a restart on the same machine is faster).
+        """Compile `decoder` with torch.compile (inductor, weights frozen into the graph) for
+        passes of one token per row (decode steps without drafts: every step of `off`, any
+        batch size) and, at batch 1, of up to COMPILED_TOKENS_AT_BATCH_1 tokens (a chain's or
+        a tree's verify pass); other passes (wider batches' verify passes, long prefills)
+        stay eager. `warm_up` runs such passes, one row, several rows and one row of several
+        tokens, so the compiles happen now: three graphs, the batch size symbolic in the
+        second and the token count in the third. Key lengths, masks and cache rows never
+        recompile: attention is an opaque op reading them from the forward in progress.
+        Returns the seconds spent (about a minute on 2 CPU cores; inductor caches its kernels
+        on disk, so a restart on the same machine is faster).
 
         Eager decoding pays a dispatch for each of some 180 aten calls per layer (most of them
         views); compiled, the elementwise ones run as a few fused C++ loops (docs/native-engine.md, "Compiled decode")."""

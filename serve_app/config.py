@@ -209,10 +209,10 @@ class AppConfig(_Strict):
     )
     compile_decode: bool = Field(
         default=False,
-        description="native only: compile the one-token decode pass with torch.compile (inductor, weights "
-        "frozen) when a replica starts: about a minute on 2 CPU cores, then batch-1 decode steps 1.08-1.37x "
-        "faster in this project's measurements (docs/native-engine.md, Compiled decode); needs a C++ "
-        "compiler on a CPU",
+        description="native only: compile the one-token decode pass and batch-1 verify passes with "
+        "torch.compile (inductor, weights frozen) when a replica starts: about a minute on 2 CPU cores, then "
+        "batch-1 decode steps 1.08-1.37x faster in this project's measurements (docs/native-engine.md, "
+        "Compiled decode); needs a C++ compiler on a CPU",
     )
     speculation: SpeculationConfig = Field(
         default_factory=SpeculationConfig, description="how the engine drafts, and the policy it starts with"

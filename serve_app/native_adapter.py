@@ -53,7 +53,7 @@ class NativeSettings(BaseModel):
     max_model_len: int = Field(description="context window a request may use: prompt + output (tokens)")
     max_tree_nodes: int = Field(default=64, description="draft nodes per sequence per step, at most")
     tree_budget: int | None = None
-    compile_decode: bool = Field(default=False, description="compile the one-token decode pass at start")
+    compile_decode: bool = Field(default=False, description="compile the one-token decode pass and batch-1 verify passes at start")
     torch_threads: int = Field(default_factory=lambda: os.cpu_count() or 1)
 
 

@@ -3,8 +3,9 @@
 
 What must hold: greedy output identical to the model's own greedy decoding (eager) with
 requests of uneven lengths joining and leaving (the masked one-token passes) and with
-speculation mixing compiled one-token passes and eager verify passes; two graphs compiled at
-warm-up and none after, whatever the key lengths, batch sizes and cache rows. The real-stack
+speculation (chains and trees: compiled one-token passes, compiled verify passes at batch 1,
+eager ones at wider batches); three graphs compiled at warm-up and none after, whatever the
+key lengths, batch sizes, token counts and cache rows. The real-stack
 check is tests/test_native_serving.py (configs/app-tree.yaml compiles its decode pass)."""
 
 from __future__ import annotations
@@ -62,34 +63,40 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(0, 64, (n,), generator=gen).tolist() for n in (5, 11, 3, 8, 17)]
 
 
-@pytest.mark.parametrize("policy", ["off", "chain3"])
+@pytest.mark.parametrize("policy", ["off", "chain3", "tree3x2x1"])
 def test_compiled_decode_equals_eager_greedy_and_never_recompiles(compiled, eager_model, policy):
     engine, warm_up_graphs = compiled
-    assert warm_up_graphs == 2  # one row, and the batch size symbolic
+    assert warm_up_graphs == 3  # one row; the batch size symbolic; one row, the token count symbolic
     engine.apply_policy(SpecPolicy.parse(policy, version=engine.policy.version + 1))
     prompts, max_tokens = _prompts(), [40, 25, 48, 12, 33]
     before = _graphs_compiled()
-    compiled_rows = []  # rows of each pass the compiled graph ran
+    compiled_shapes = []  # [rows, tokens] of each pass the compiled graph ran
     run_compiled = engine.model.compiled_decode
-    engine.model.compiled_decode = lambda tokens, *rest: (compiled_rows.append(len(tokens)),
+    engine.model.compiled_decode = lambda tokens, *rest: (compiled_shapes.append(tuple(tokens.shape)),
                                                           run_compiled(tokens, *rest))[1]
     engine.drain()
-    # Five requests through three rows: uneven lengths, rows refilled as requests finish.
     outputs = [[] for _ in prompts]
-    for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
-        engine.add_request(f"{policy}-{i}", prompt, SamplingParams(max_tokens=n, ignore_eos=True))
     try:
-        while engine.has_unfinished():
-            for out in engine.step():
-                outputs[int(out.request_id.split("-")[1])] += out.new_token_ids
+        # Five requests through three rows (uneven lengths, rows refilled as requests
+        # finish), then the first alone: a batch of one, whose verify passes run compiled.
+        for batch in (range(len(prompts)), [0]):
+            alone_from = len(compiled_shapes)
+            for i in batch:
+                outputs[i] = []
+                engine.add_request(f"{policy}-{i}", prompts[i], SamplingParams(max_tokens=max_tokens[i], ignore_eos=True))
+            while engine.has_unfinished():
+                for out in engine.step():
+                    outputs[int(out.request_id.split("-")[1])] += out.new_token_ids
     finally:
         engine.model.compiled_decode = run_compiled
     for prompt, n, out in zip(prompts, max_tokens, outputs):
         assert out == reference_greedy(eager_model, prompt, n)
-    assert _graphs_compiled() == before, "a key length, batch size or mask recompiled the decode pass"
-    assert 1 in compiled_rows and max(compiled_rows) == 3
-    if policy == "chain3":  # verify passes ran eager beside the compiled one-token passes
+    assert _graphs_compiled() == before, "a key length, batch size, token count or mask recompiled the decode pass"
+    assert (1, 1) in compiled_shapes and (3, 1) in compiled_shapes
+    if policy != "off":  # verify passes of several token counts ran compiled at batch 1
         assert any(s.num_drafts for s in engine.drain().steps)
+        alone = compiled_shapes[alone_from:]  # one prefill of several tokens, then decode passes
+        assert sum(rows == 1 and tokens > 1 for rows, tokens in alone) > 1, alone
 
 
 def test_compile_decode_refuses_a_busy_engine(compiled):
