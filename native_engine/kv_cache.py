@@ -18,6 +18,11 @@ from dataclasses import dataclass
 import torch
 
 
+# Reduced-precision attention reads keys in whole blocks of this many (see
+# native_engine.model.whole_key_blocks), so every row holds a multiple of it.
+KEY_BLOCK = 16
+
+
 @dataclass
 class KVCache:
     k: torch.Tensor  # [layers, rows, Hkv, max_len, Dh]
@@ -26,6 +31,7 @@ class KVCache:
     @classmethod
     def allocate(cls, n_layers: int, rows: int, n_kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device="cpu") -> KVCache:
+        max_len = -(-max_len // KEY_BLOCK) * KEY_BLOCK
         shape = (n_layers, rows, n_kv_heads, max_len, head_dim)
         return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
 
@@ -35,7 +41,7 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        """Cache positions per row (tokens)."""
+        """Cache positions per row (tokens): what was asked for, rounded up to KEY_BLOCK."""
         return self.k.shape[3]
 
     def bytes_per_token(self) -> int:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from native_engine import linear_choice
-from native_engine.kv_cache import KVCache
+from native_engine.kv_cache import KEY_BLOCK, KVCache
 from native_engine.linear_choice import LinearChoice
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -252,6 +252,29 @@ def _(q, k, v, layer):
     return q.new_empty(B, T, H * Dh)
 
 
+def whole_key_blocks(mask: torch.Tensor | None, key_len: int, dtype: torch.dtype) -> tuple[torch.Tensor | None, int]:
+    """(mask, key length) of a pass whose attention reads keys up to the next multiple of
+    KEY_BLOCK, the keys past `key_len` masked out.
+
+    torch's CPU attention kernel sums a query's keys in blocks of 16; a block that ends early
+    is summed another way than a full one holding masked keys. So in bfloat16 the same query
+    over the same keys got other bits from a one-token pass (S keys) than from a verify pass
+    or a batch (more keys, the extra ones masked), and greedy output under speculation or at
+    another batch size drifted from `off`'s at batch 1. With every pass reading whole blocks,
+    masked keys and whole masked blocks change no bits (checked at 1-2,200 keys, 1-15 query
+    rows; docs/native-engine.md). Float32 passes stay as they are: there the kernel's result
+    depends on more than the block (from about 300 keys), and greedy output agrees anyway."""
+    padded = -(-key_len // KEY_BLOCK) * KEY_BLOCK
+    if padded == key_len:
+        return mask, key_len
+    if mask is None:  # every row attends every key: one mask row for all
+        mask = (torch.arange(padded) < key_len).view(1, 1, 1, padded)
+    else:
+        mask = F.pad(mask, (0, padded - key_len), value=False)
+    # Additive (0 / -inf), once per pass: the attention kernel would convert a bool mask in every layer.
+    return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf")), padded
+
+
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Attention of q [B, H, T, Dh] over keys/values [B, Hkv, S, Dh] (grouped-query when
     Hkv < H); mask [B, 1, T, S] bool or None. Returns [B, H, T, Dh].
@@ -391,6 +414,8 @@ class Transformer(nn.Module):
         cos_t, sin_t = self.rope(int(positions.max()) + 1)
         # [B, T, 1, Dh], gathered once for every layer; RoPE runs in the padded layout.
         cos, sin = cos_t[positions].unsqueeze(2), sin_t[positions].unsqueeze(2)
+        if cache is not None and self.lm_head.weight.dtype != torch.float32:
+            mask, key_len = whole_key_blocks(mask, key_len, self.lm_head.weight.dtype)
         _forward.inputs = ForwardInputs(mask, cache, row_start, write_pos, key_len)
         try:
             if self.compiled_decode is not None and packed is None and (

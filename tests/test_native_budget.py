@@ -256,5 +256,5 @@ def test_uneven_trees_in_one_pass_match_recomputation(target):
         with torch.no_grad():
             target(torch.tensor([committed]), pos,
                    attention_mask(causal_mask(torch.tensor([n]), n)[:, 0], torch.tensor([0]), n), cache, 0, pos, n)
-        assert torch.allclose(engine.cache.k[:, req.row, :, :n], cache.k[:, 0], atol=1e-5)
-        assert torch.allclose(engine.cache.v[:, req.row, :, :n], cache.v[:, 0], atol=1e-5)
+        assert torch.allclose(engine.cache.k[:, req.row, :, :n], cache.k[:, 0, :, :n], atol=1e-5)
+        assert torch.allclose(engine.cache.v[:, req.row, :, :n], cache.v[:, 0, :, :n], atol=1e-5)

@@ -148,7 +148,7 @@ def _recomputed_kv(model, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor
     with torch.no_grad():
         model(torch.tensor([tokens]), pos, attention_mask(causal_mask(torch.tensor([T]), T)[:, 0],
                                                           torch.tensor([0]), T), cache, 0, pos, T)
-    return cache.k[:, 0], cache.v[:, 0]
+    return cache.k[:, 0, :, :T], cache.v[:, 0, :, :T]
 
 
 def test_prompts_of_uneven_length_prefill_packed_as_if_alone(target, monkeypatch):

@@ -228,3 +228,25 @@ def test_cuda_bfloat16_matches_cpu():
     ref = full_logits(model, tokens)
     gpu = full_logits(model.to("cuda", torch.bfloat16), tokens).cpu()
     assert (gpu.argmax(-1) == ref.argmax(-1)).float().mean() > 0.8
+
+
+def test_bfloat16_attention_over_whole_key_blocks_is_the_same_whatever_masked_keys_follow():
+    """A one-token pass holds exactly the keys its query attends; a verify pass or a batch
+    holds more, masked for it. Read in whole KEY_BLOCKs (model.whole_key_blocks), the query
+    gets the same bits either way (torch's CPU kernel sums a block that ends early another way)."""
+    from native_engine.model import attend, whole_key_blocks
+
+    gen = torch.Generator().manual_seed(0)
+    for keys_attended in range(20, 300, 7):
+        keys, values = (torch.randn(1, 3, keys_attended + 64, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
+        q = torch.randn(1, 9, 1, 64, generator=gen).to(torch.bfloat16)
+
+        def pass_holding(n: int) -> torch.Tensor:
+            mask = torch.zeros(1, 1, 1, n, dtype=torch.bool)
+            mask[..., :keys_attended] = True
+            mask, key_len = whole_key_blocks(None if n == keys_attended else mask, n, torch.bfloat16)
+            return attend(q, keys[:, :, :key_len], values[:, :, :key_len], mask)
+
+        alone = pass_holding(keys_attended)
+        for extra in (3, 5, 37):
+            assert torch.equal(alone, pass_holding(keys_attended + extra)), (keys_attended, extra)
