@@ -252,7 +252,7 @@ def _(q, k, v, layer):
     return q.new_empty(B, T, H * Dh)
 
 
-def whole_key_blocks(mask: torch.Tensor | None, key_len: int, dtype: torch.dtype) -> tuple[torch.Tensor | None, int]:
+def whole_key_blocks(mask: torch.Tensor | None, key_len: int, device=None) -> tuple[torch.Tensor | None, int]:
     """(mask, key length) of a pass whose attention reads keys up to the next multiple of
     KEY_BLOCK, the keys past `key_len` masked out.
 
@@ -268,11 +268,8 @@ def whole_key_blocks(mask: torch.Tensor | None, key_len: int, dtype: torch.dtype
     if padded == key_len:
         return mask, key_len
     if mask is None:  # every row attends every key: one mask row for all
-        mask = (torch.arange(padded) < key_len).view(1, 1, 1, padded)
-    else:
-        mask = F.pad(mask, (0, padded - key_len), value=False)
-    # Additive (0 / -inf), once per pass: the attention kernel would convert a bool mask in every layer.
-    return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf")), padded
+        return (torch.arange(padded, device=device) < key_len).view(1, 1, 1, padded), padded
+    return F.pad(mask, (0, padded - key_len), value=False), padded
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -415,7 +412,11 @@ class Transformer(nn.Module):
         # [B, T, 1, Dh], gathered once for every layer; RoPE runs in the padded layout.
         cos, sin = cos_t[positions].unsqueeze(2), sin_t[positions].unsqueeze(2)
         if cache is not None and self.lm_head.weight.dtype != torch.float32:
-            mask, key_len = whole_key_blocks(mask, key_len, self.lm_head.weight.dtype)
+            mask, key_len = whole_key_blocks(mask, key_len, tokens.device)
+        if mask is not None and mask.dtype == torch.bool:
+            # Additive (0 / -inf), once per pass: the attention kernel would convert a bool mask in every layer.
+            mask = torch.zeros(mask.shape, dtype=self.lm_head.weight.dtype, device=mask.device).masked_fill_(
+                ~mask, float("-inf"))
         _forward.inputs = ForwardInputs(mask, cache, row_start, write_pos, key_len)
         try:
             if self.compiled_decode is not None and packed is None and (

@@ -244,7 +244,7 @@ def test_bfloat16_attention_over_whole_key_blocks_is_the_same_whatever_masked_ke
         def pass_holding(n: int) -> torch.Tensor:
             mask = torch.zeros(1, 1, 1, n, dtype=torch.bool)
             mask[..., :keys_attended] = True
-            mask, key_len = whole_key_blocks(None if n == keys_attended else mask, n, torch.bfloat16)
+            mask, key_len = whole_key_blocks(None if n == keys_attended else mask, n)
             return attend(q, keys[:, :, :key_len], values[:, :, :key_len], mask)
 
         alone = pass_holding(keys_attended)
