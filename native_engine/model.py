@@ -206,7 +206,8 @@ class Attention(nn.Module):
 class ForwardInputs:
     """What every layer's attention reads in one forward, set by `Transformer.forward`.
 
-    mask [B, 1, T, S] bool (True = attend), or None when every query attends every key.
+    mask [B, 1, T, S] additive (0 = attend, -inf = not) in the model's dtype, or None when every
+    query attends every key.
     cache, row_start, write_pos [B, T], key_len: the new keys/values go to cache positions
     `write_pos` of rows row_start .. row_start + B - 1; attention reads positions [0, key_len).
     Without a cache, the tokens attend among themselves (S = T)."""
@@ -274,7 +275,7 @@ def whole_key_blocks(mask: torch.Tensor | None, key_len: int, device=None) -> tu
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Attention of q [B, H, T, Dh] over keys/values [B, Hkv, S, Dh] (grouped-query when
-    Hkv < H); mask [B, 1, T, S] bool or None. Returns [B, H, T, Dh].
+    Hkv < H); mask [B, 1, T, S] bool (True = attend), additive, or None. Returns [B, H, T, Dh].
 
     With grouped queries the H / Hkv query heads of a group read the same keys, so they are
     folded into one head's query rows ([B, Hkv, G * T, Dh], the mask repeated per head): the
