@@ -7,6 +7,9 @@ One run, SmolLM2-135M-Instruct in float32 (or `--dtype bfloat16`) with torch on 
   "decode tok/s" is the steady state: tokens gained / time over pure decode steps with all
   `batch` rows busy (a backlog of requests refills rows at batch 1 and 4); "e2e tok/s" is
   all output tokens / wall time, prefill and the batch's tail included;
+- `auto` (per-request budgets) first serves as many other prompts of the dataset (the ones
+  after the measured ones) and starts its measured run from the calibration and step-cost
+  fit it learned there, as a serving replica has learned before most requests arrive;
 - mean accepted length (tokens per sequence per verify step, bonus included) of chains vs
   best-first trees with the same node budget (`tree...@N` keeps the N most likely nodes);
 - the physical limit: weight bytes / memory bandwidth (a large tensor copy timed in the same
@@ -36,6 +39,7 @@ it and its seconds): the rows then measure the compiled engine.
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.util
 import json
 import os
@@ -56,6 +60,7 @@ from bench import machine  # noqa: E402
 from bench.native_goals import OFF_AFTER_VLLM, compare_vllm, goal_checks, same_budget_bound, summarize  # noqa: E402
 from bench.vllm_baseline import run_vllm  # noqa: E402
 from distill.teacher import load_tokenizer, prompt_ids  # noqa: E402
+from native_engine.budget import BudgetPlanner  # noqa: E402
 from native_engine.drafters import DraftModelDrafter, NgramDrafter  # noqa: E402
 from native_engine.engine import EngineConfig, NativeEngine  # noqa: E402
 from native_engine.requests import SamplingParams  # noqa: E402
@@ -110,14 +115,17 @@ def new_drafter(base: NativeEngine, batch: int):
 
 
 def run_config(base: NativeEngine, shape: str, prompts: list[str], batch: int, max_tokens: int,
-               temperature: float = 0.0, top_p: float = 1.0) -> dict:
+               temperature: float = 0.0, top_p: float = 1.0, planner: BudgetPlanner | None = None) -> dict:
     """Every prompt queued at once into an engine of `batch` rows (continuous batching refills
-    finished rows), greedy (or sampled, seeded), until all finish."""
+    finished rows), greedy (or sampled, seeded), until all finish. `planner`: the per-request
+    budget state `auto` starts from (a copy; default: a new engine's, which knows nothing)."""
     name, _, budget = shape.partition("@")
     engine = NativeEngine(base.model, new_drafter(base, batch),
                           EngineConfig(max_batch_size=batch, max_seq_len=MAX_SEQ_LEN,
                                        tree_budget=int(budget) if budget else None),
                           SpecPolicy.parse(name), base.tokenizer, tuple(base.eos_ids))
+    if planner is not None:
+        engine.budget = copy.deepcopy(planner)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True,  # fixed work per request
                             temperature=temperature, top_p=top_p, seed=0 if temperature else None)
     start = time.perf_counter()
@@ -138,7 +146,7 @@ def run_config(base: NativeEngine, shape: str, prompts: list[str], batch: int, m
                                  / max(1, sum(s.num_decode_reqs for s in decode))),
         "draft_rate": (sum(s.num_drafts for s in decode if s.draft_k)
                        / max(1, sum(s.num_decode_reqs for s in decode if s.draft_k))),
-        "outputs": outputs, "steps": steps,
+        "outputs": outputs, "steps": steps, "planner": engine.budget,
     }
 
 
@@ -197,7 +205,11 @@ def main() -> None:
     from adaspec.models import resolve_model
 
     folder = resolve_model(MODEL, prepare=False)
-    prompts, prompt_source = engine_prompts(max(requests.values()), args.dataset, Path(folder))
+    # Twice as many as measured: `auto` first learns on the second half (other prompts).
+    prompts, prompt_source = engine_prompts(2 * max(requests.values()), args.dataset, Path(folder))
+    n = max(requests.values())
+    prompts, warm_up_prompts = prompts[:n], prompts[n:]
+    prompt_source += f" (the first {n} measured; the next {len(warm_up_prompts)} are auto's warm-up)"
     print(f"[bench] prompts: {prompt_source}", flush=True)
     bandwidth = machine.memory_bandwidth_gbs()
     print(f"[bench] copy bandwidth {bandwidth:.1f} GB/s; weights {weight_bytes / 1e6:.0f} MB", flush=True)
@@ -208,8 +220,16 @@ def main() -> None:
     reference: dict[int, list[list[int]]] = {}
     for batch in batches:
         for shape in [s for s in SHAPES[batch] if chosen is None or s in chosen]:
+            planner = None
+            if shape == "auto":  # a serving replica has learned before most requests arrive
+                w = run_config(base, shape, warm_up_prompts[: requests[batch]], batch, args.max_tokens,
+                               args.temperature, args.top_p)
+                planner = w["planner"]
+                print(f"[bench] batch {batch:2d} auto warm-up on {requests[batch]} other prompts: "
+                      f"{w['decode_tokens_per_s']:.1f} tok/s", flush=True)
             r = run_config(base, shape, prompts[: requests[batch]], batch, args.max_tokens, args.temperature,
-                           args.top_p)
+                           args.top_p, planner)
+            r.pop("planner")
             if shape == "off":
                 reference[batch] = r["outputs"]
             # Greedy, speculation must not change the text; sampled, only the distribution is kept.
@@ -234,7 +254,7 @@ def main() -> None:
         # `off` again after vLLM: the machine is shared, so the native runs bracket vLLM's in time.
         for batch in batches:
             r = run_config(base, "off", prompts[: requests[batch]], batch, args.max_tokens)
-            r.pop("steps")
+            r.pop("steps"), r.pop("planner")
             r["matches_off"] = r.pop("outputs") == reference[batch]
             r["shape"] = OFF_AFTER_VLLM
             results.append(r)
@@ -262,6 +282,7 @@ def main() -> None:
         "compile_decode": args.compile_decode, "compile_s": compile_s,
         "machine": host, "torch": torch.__version__,
         "dataset": args.dataset, "prompts": prompt_source, "max_tokens": args.max_tokens, "drafter": drafter,
+        "auto_warm_up": "auto starts from what it learned serving the next prompts of the dataset (as many)",
         "command": " ".join(sys.argv[1:]),
         "weight_bytes": weight_bytes, "copy_bandwidth_gbs": bandwidth, "results": results, "summary": summary,
         "vllm": vllm, "time": time.time(),
