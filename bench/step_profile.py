@@ -186,8 +186,13 @@ def main() -> None:
     parser.add_argument("--compile-decode", action="store_true",
                         help="compile each engine's one-token pass first (NativeEngine.compile_decode); "
                         "writes step_profile_compiled.json / .png")
+    parser.add_argument("--autotune", action="store_true",
+                        help="with --compile-decode: compile with inductor's GEMM autotuning (compile_autotune); "
+                        "writes step_profile_autotune.json / .png")
     parser.add_argument("--out", default="bench/results/native-cpu")
     args = parser.parse_args()
+    if args.autotune and not args.compile_decode:
+        parser.error("--autotune tunes what --compile-decode compiles; pass both")
     torch.set_num_threads(args.threads)
     described = machine.describe()
     dtypes = [torch.float32]
@@ -199,7 +204,7 @@ def main() -> None:
         for dtype in dtypes:
             name = f"{str(dtype).removeprefix('torch.')} compiled"
             engines[name] = load(dtype)
-            compile_s[name] = engines[name].compile_decode()
+            compile_s[name] = engines[name].compile_decode(args.autotune)
             print(f"[step_profile] {name}: decode pass compiled in {compile_s[name]:.0f} s", flush=True)
     runs = []
     for name, engine in engines.items():
@@ -236,9 +241,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     doc = {"command": "python -m bench.step_profile " + " ".join(f"--{k} {v}" for k, v in vars(args).items()),
            "machine": {**described, **machine.at_end(described)}, "model": MODEL, "threads": args.threads,
-           "read_bandwidth_gbs": read_gbs, "compile_decode": args.compile_decode, "compile_s": compile_s,
+           "read_bandwidth_gbs": read_gbs, "compile_decode": args.compile_decode, "autotune": args.autotune,
+           "compile_s": compile_s,
            "runs": runs, "speedups": speedups}
-    name = "step_profile_compiled" if args.compile_decode else "step_profile"
+    name = "step_profile_autotune" if args.autotune else "step_profile_compiled" if args.compile_decode else "step_profile"
     (out / f"{name}.json").write_text(json.dumps(doc, indent=1))
     plot(runs, out / f"{name}.png")
     print(f"wrote {out / name}.json and {name}.png")

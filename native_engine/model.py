@@ -18,6 +18,7 @@ import json
 import math
 import threading
 import time
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -437,7 +438,7 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, packed)
         return self.model.norm(x)
 
-    def compile_decode(self, warm_up: Callable[[], None]) -> float:
+    def compile_decode(self, warm_up: Callable[[], None], autotune: bool = False) -> float:
         """Compile `decoder` with torch.compile (inductor, weights frozen into the graph) for
         passes of one token per row (decode steps without drafts: every step of `off`, any
         batch size) and, at batch 1, of up to COMPILED_TOKENS_AT_BATCH_1 tokens (a chain's or
@@ -449,15 +450,31 @@ class Transformer(nn.Module):
         Returns the seconds spent (about a minute on 2 CPU cores; inductor caches its kernels
         on disk, so a restart on the same machine is faster).
 
+        `autotune`: inductor also times its own C++ GEMM templates against the library matmul
+        for every weight shape and keeps the faster (max_autotune with the CPP backend): about
+        2.5 minutes on 2 cores instead of one; a bf16 one-token step of SmolLM2 took 15.0 ms
+        against 19.3 ms (oneDNN's bf16 matmul streams at about 21 GB/s), fp32 22.9 against
+        23.3-24 (docs/native-engine.md).
+
         Eager decoding pays a dispatch for each of some 180 aten calls per layer (most of them
         views); compiled, the elementwise ones run as a few fused C++ loops (docs/native-engine.md, "Compiled decode")."""
         start = time.perf_counter()
+        # Dynamo keeps its graphs per code object, and with the module guards skipped (they would
+        # be checked on every call) it would hand this model a graph compiled for another model
+        # of the same shapes in the process, with that model's frozen weights: each model
+        # compiles a code object of its own.
+        code = Transformer.decoder.__code__.replace(co_name=f"decoder_{id(self):x}")
+        decoder = types.MethodType(types.FunctionType(code, Transformer.decoder.__globals__,
+                                                      argdefs=Transformer.decoder.__defaults__), self)
         self.compiled_decode = torch.compile(
-            self.decoder, options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+            decoder, options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
         # Frozen weights become constants inductor lays out for its matmuls (MKL's packed sgemm
         # for fp32 at one row, oneDNN's packed matmul for bf16; torch.compile's
         # options={"freezing": True} did not reach the weight-packing pass here).
-        with torch.no_grad(), torch._inductor.config.patch(freezing=True):
+        options = {"freezing": True}
+        if autotune:
+            options.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
+        with torch.no_grad(), torch._inductor.config.patch(**options):
             warm_up()
         return time.perf_counter() - start
 

@@ -58,7 +58,8 @@ def native_settings(cfg: AppConfig) -> NativeSettings:
         dtype=cfg.dtype if cfg.dtype != "auto" or on_cpu else "bfloat16",
         device="cpu" if on_cpu else "cuda",
         max_batch_size=cfg.max_num_seqs, max_model_len=cfg.max_model_len, tree_budget=cfg.tree_budget,
-        compile_decode=cfg.compile_decode, torch_threads=cfg.cpu_threads or os.cpu_count() or 1,
+        compile_decode=cfg.compile_decode, compile_autotune=cfg.compile_autotune,
+        torch_threads=cfg.cpu_threads or os.cpu_count() or 1,
     )
 
 

@@ -214,6 +214,13 @@ class AppConfig(_Strict):
         "batch-1 decode steps 1.08-1.37x faster in this project's measurements (docs/native-engine.md, "
         "Compiled decode); needs a C++ compiler on a CPU",
     )
+    compile_autotune: bool = Field(
+        default=False,
+        description="native only, with compile_decode: inductor also times its own C++ GEMM kernels against the "
+        "library's for every weight shape and keeps the faster: start-up about 2.5 minutes on 2 CPU cores instead "
+        "of one; a bf16 batch-1 decode step 1.29x faster here, fp32 about the same (docs/native-engine.md, "
+        "Compiled decode)",
+    )
     speculation: SpeculationConfig = Field(
         default_factory=SpeculationConfig, description="how the engine drafts, and the policy it starts with"
     )
@@ -239,6 +246,8 @@ class AppConfig(_Strict):
                              "(engine_kwargs.enforce_eager turns that off)")
         elif any(rule.config.per_request for rule in self.speculation.initial_policy().rules):
             raise ValueError("speculation.policy: per-request budgets (auto, budgetN) need engine: native")
+        if self.compile_autotune and not self.compile_decode:
+            raise ValueError("compile_autotune: tunes what compile_decode compiles; set compile_decode: true too")
         if self.autoscaling is not None and self.num_replicas != 1:
             raise ValueError("num_replicas: a fixed replica count and autoscaling exclude each other; "
                              "set autoscaling.min_replicas/max_replicas instead")

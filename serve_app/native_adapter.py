@@ -54,6 +54,7 @@ class NativeSettings(BaseModel):
     max_tree_nodes: int = Field(default=64, description="draft nodes per sequence per step, at most")
     tree_budget: int | None = None
     compile_decode: bool = Field(default=False, description="compile the one-token decode pass and batch-1 verify passes at start")
+    compile_autotune: bool = Field(default=False, description="compile_decode also autotunes inductor's GEMM templates")
     torch_threads: int = Field(default_factory=lambda: os.cpu_count() or 1)
 
 
@@ -105,7 +106,8 @@ class AdaspecNativeEngine(LLMEngine):
         self._loop.start()
         if self.settings.compile_decode:  # on the engine thread: inductor's kernels take its thread count
             try:
-                seconds = await asyncio.wrap_future(self._loop.call(lambda e: e.compile_decode()))
+                autotune = self.settings.compile_autotune
+                seconds = await asyncio.wrap_future(self._loop.call(lambda e: e.compile_decode(autotune)))
             except Exception as e:  # inductor's own error is long; say which setting to change
                 raise RuntimeError(f"compile_decode: torch.compile failed ({type(e).__name__}: "
                                    f"{str(e)[:500]}); set compile_decode: false to serve eagerly") from e

@@ -106,3 +106,32 @@ def test_compile_decode_refuses_a_busy_engine(compiled):
         engine.compile_decode()
     while engine.has_unfinished():
         engine.step()
+
+
+def test_autotuned_compile_uses_inductors_gemm_kernels_and_gives_the_eager_greedy_tokens(eager_model):
+    """compile_decode(autotune=True) (the app's compile_autotune): inductor generates its own
+    C++ GEMM kernels for the model's matmuls (timing them against the library's where both
+    apply: at these tiny shapes only its own do), and the tokens stay the eager model's."""
+    from torch._dynamo.utils import counters
+
+    model = build_model(tiny_args(vocab_size=64), seed=1, init_std=0.15).prepare_for_serving()
+    engine = NativeEngine(model, NgramDrafter(max_n=3, min_n=1), EngineConfig(max_batch_size=2, max_seq_len=160),
+                          SpecPolicy.parse("chain3"))
+    templated = counters["inductor"]["cpp_templated_kernel_counter"]
+    engine.compile_decode(autotune=True)
+    assert counters["inductor"]["cpp_templated_kernel_counter"] > templated, "no GEMM kernel of inductor's own"
+    prompts = _prompts()[:2]
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+    for prompt, out in zip(prompts, outputs):
+        assert out == reference_greedy(eager_model, prompt, 24)
+
+
+def test_a_second_model_in_the_process_runs_its_own_weights(compiled):
+    """Dynamo keeps graphs per code object and the module guards are skipped: without a code
+    object per model, this model (other weights, same shapes) would run the first one's graph."""
+    other = build_model(tiny_args(vocab_size=64), seed=7, init_std=0.15)
+    engine = NativeEngine(build_model(tiny_args(vocab_size=64), seed=7, init_std=0.15).prepare_for_serving(),
+                          None, EngineConfig(max_batch_size=2, max_seq_len=160))
+    engine.compile_decode()
+    prompt = _prompts()[0]
+    assert engine.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))[0] == reference_greedy(other, prompt, 16)

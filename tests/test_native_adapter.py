@@ -61,6 +61,14 @@ def test_native_only_fields_need_the_native_engine(field, value):
     assert getattr(native_settings(cfg), field) == value
 
 
+def test_compile_autotune_needs_compile_decode_and_reaches_the_replica():
+    with pytest.raises(ValidationError, match="compile_autotune"):
+        AppConfig.model_validate({"engine": "native", "compile_autotune": True})
+    cfg = AppConfig.model_validate({"engine": "native", "compile_decode": True, "compile_autotune": True})
+    from serve_app.builder import native_settings
+    assert native_settings(cfg).compile_autotune
+
+
 def test_tree_app_builds_native_replicas_on_one_cpu_bundle():
     from serve_app.builder import build_app, llm_config, native_settings
 
