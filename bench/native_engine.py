@@ -254,7 +254,8 @@ def main() -> None:
         # `off` again after vLLM: the machine is shared, so the native runs bracket vLLM's in time.
         for batch in batches:
             r = run_config(base, "off", prompts[: requests[batch]], batch, args.max_tokens)
-            r.pop("steps"), r.pop("planner")
+            r.pop("steps")
+            r.pop("planner")
             r["matches_off"] = r.pop("outputs") == reference[batch]
             r["shape"] = OFF_AFTER_VLLM
             results.append(r)

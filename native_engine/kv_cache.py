@@ -23,6 +23,11 @@ import torch
 KEY_BLOCK = 16
 
 
+def whole_key_blocks_of(tokens: int) -> int:
+    """`tokens` rounded up to a multiple of KEY_BLOCK."""
+    return -(-tokens // KEY_BLOCK) * KEY_BLOCK
+
+
 @dataclass
 class KVCache:
     k: torch.Tensor  # [layers, rows, Hkv, max_len, Dh]
@@ -31,7 +36,7 @@ class KVCache:
     @classmethod
     def allocate(cls, n_layers: int, rows: int, n_kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device="cpu") -> KVCache:
-        max_len = -(-max_len // KEY_BLOCK) * KEY_BLOCK
+        max_len = whole_key_blocks_of(max_len)
         shape = (n_layers, rows, n_kv_heads, max_len, head_dim)
         return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from native_engine import linear_choice
-from native_engine.kv_cache import KEY_BLOCK, KVCache
+from native_engine.kv_cache import KVCache, whole_key_blocks_of
 from native_engine.linear_choice import LinearChoice
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -256,7 +256,7 @@ def _(q, k, v, layer):
 
 def whole_key_blocks(mask: torch.Tensor | None, key_len: int, device=None) -> tuple[torch.Tensor | None, int]:
     """(mask, key length) of a pass whose attention reads keys up to the next multiple of
-    KEY_BLOCK, the keys past `key_len` masked out.
+    kv_cache.KEY_BLOCK, the keys past `key_len` masked out.
 
     torch's CPU attention kernel sums a query's keys in blocks of 16; a block that ends early
     is summed another way than a full one holding masked keys. So in bfloat16 the same query
@@ -266,7 +266,7 @@ def whole_key_blocks(mask: torch.Tensor | None, key_len: int, device=None) -> tu
     masked keys and whole masked blocks change no bits (checked at 1-2,200 keys, 1-15 query
     rows; docs/native-engine.md). Float32 passes stay as they are: there the kernel's result
     depends on more than the block (from about 300 keys), and greedy output agrees anyway."""
-    padded = -(-key_len // KEY_BLOCK) * KEY_BLOCK
+    padded = whole_key_blocks_of(key_len)
     if padded == key_len:
         return mask, key_len
     if mask is None:  # every row attends every key: one mask row for all
