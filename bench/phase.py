@@ -73,13 +73,12 @@ def settle_times(changes: list[PolicyChange], starts: list[float], end: float) -
     return out
 
 
-def segment_tpot(requests: list[RequestResult], starts: list[float], end: float) -> list[float | None]:
-    """Mean TPOT (seconds) of the requests sent in each segment."""
+def segment_tpots(requests: list[RequestResult], starts: list[float], end: float) -> list[list[float]]:
+    """The TPOTs (seconds) of the requests sent in each segment."""
     out = []
     for i, start in enumerate(starts):
         stop = starts[i + 1] if i + 1 < len(starts) else end
-        values = [t for r in requests if r.ok and start <= r.sent_at < stop and (t := tpot_s(r)) is not None]
-        out.append(statistics.fmean(values) if values else None)
+        out.append([t for r in requests if r.ok and start <= r.sent_at < stop and (t := tpot_s(r)) is not None])
     return out
 
 
@@ -107,9 +106,11 @@ def run_phase_change(sweep, trace: str) -> dict:
             apply_policy(sweep.url, policy, sweep.start_table)
             result = asyncio.run(bench_prompts(settings, prompts, offsets, sweep.model, progress=False))
             requests = [RequestResult(**r) for r in result.requests]
+            per_segment = segment_tpots(requests, starts, end)
             run = {"policy": policy.name, "round": round_index, "requests": len(prompts),
                    "metrics": result.metrics.model_dump(mode="json"),
-                   "segment_tpot_s": segment_tpot(requests, starts, end),
+                   "segment_tpot_s": [statistics.fmean(v) if v else None for v in per_segment],
+                   "segment_tpots_s": per_segment,
                    "tpots_s": [t for r in requests if r.ok and (t := tpot_s(r)) is not None],
                    "telemetry": {"mean_k": result.telemetry.mean_k,
                                  "mean_accepted_length": result.telemetry.mean_accepted_length,
@@ -140,7 +141,8 @@ def merge_rounds(runs: list[dict]) -> dict:
               "tpots_s": [t for r in runs for t in r["tpots_s"]],
               "rounds_tpots_s": [r["tpots_s"] for r in runs],
               "telemetry": first["telemetry"],
-              "per_round": [{k: r[k] for k in ("round", "metrics", "segment_tpot_s", "telemetry", "settle") if k in r}
+              "per_round": [{k: r[k] for k in ("round", "metrics", "segment_tpot_s", "segment_tpots_s", "telemetry", "settle")
+                             if k in r}
                             for r in runs]}
     for key in ("settle", "timeline", "policy_changes"):
         if key in first:

@@ -84,6 +84,25 @@ def sweep_verdicts(tpots: dict[Point, dict[str, Rounds]], adaptive: str = "adapt
             }}
 
 
+def switching_ceiling(segments: dict[str, list[list[list[float]]]], best_static: str, rounds: list[int]) -> float:
+    """How much faster than `best_static` a policy could have been by switching between the
+    static policies at segment boundaries: best_static's pooled mean TPOT over `rounds` divided
+    by that of, in every round and segment, the static policy with the lowest mean there.
+
+    segments: static policy -> round -> segment -> the TPOTs (seconds) of that segment's
+    requests. The per-segment picks are made with hindsight on the same requests, so this is
+    an upper estimate: a phase-change goal above it cannot be met on that trace by switching
+    among these policies, whatever the controller does."""
+    best, picked = [], []
+    for i in rounds:
+        for j, own in enumerate(segments[best_static][i]):
+            cells = [segments[p][i][j] for p in segments if segments[p][i][j]]
+            if own and cells:
+                best += own
+                picked += min(cells, key=lambda c: sum(c) / len(c))
+    return pooled_mean([best]) / pooled_mean([picked]) if picked else float("nan")
+
+
 def _overall(verdicts: list[str]) -> str:
     """met when every part is met, missed when any is missed, else inconclusive."""
     if not verdicts:

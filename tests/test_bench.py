@@ -21,6 +21,7 @@ from bench.phase import merge_rounds, parse_trace, settle_times, trace_workload
 from bench.policies import interleaved, profiled_table, resolve
 from bench.replica_probe import PolicyChange, trace_of
 from bench.report import geomean, phase_goal, verdicts, write_report
+from bench.verdicts import switching_ceiling
 from adaspec.policy import SpecConfig
 from adaspec.telemetry import StepRecord
 
@@ -342,6 +343,9 @@ def test_phase_trace_alone_in_rounds_picks_the_best_static_on_held_out_rounds(tm
     goal = phase_goal(phase)
     assert goal["best_static"] == "chain2" and goal["selection_rounds"] == [1] and goal["scoring_rounds"] == [2]
     assert goal["ratio"] == pytest.approx(0.110 / 0.050, rel=0.05) and goal["verdict"] == "met"
+    # Round 2, from segment means (no per-request TPOTs kept): off (0.100) beats chain2 (0.110) in
+    # segment 1 and has no request in segment 2.
+    assert goal["ceiling"] == pytest.approx(0.110 / 0.105)
     doc = {"command": "adaspec sweep --rates none --phase-trace ...",
            "settings": {"num_prompts": 32, "max_tokens": 64, "burstiness": 1.0, "seed": 0},
            "policies": {"off": "1+:off", "chain2": "1+:chain2", "adaptive": None},
@@ -352,7 +356,22 @@ def test_phase_trace_alone_in_rounds_picks_the_best_static_on_held_out_rounds(tm
     report = write_report(tmp_path).read_text()
     assert "## Verdicts" not in report and not (tmp_path / "latency_vs_rate.png").exists()
     assert "80 requests in 2 round(s)" in report and "chosen on round(s) 1, scored on round(s) 2" in report
+    assert "would have been 1.048x `chain2` (approximate: this result kept segment means, not each request's TPOT): a goal of 1.2x is out of reach" in report
     assert (tmp_path / "phase_change.png").stat().st_size > 1000
+
+
+def test_switching_ceiling_picks_each_segments_best_static_with_hindsight():
+    """chain2 is the better policy over the whole trace, off the better one in its first
+    segment: switching would have saved that segment's difference, and no more."""
+    segments = {"off": [[[0.20, 0.20], [0.10] * 4], [[0.30], [0.10] * 4]],
+                "chain2": [[[0.10, 0.10], [0.15] * 4], [[0.40], [0.05] * 4]]}
+    # Round 1: chain2 pooled 0.8 over 6 requests; best per segment: chain2 (0.10 x 2), off (0.10 x 4).
+    assert switching_ceiling(segments, "chain2", [0]) == pytest.approx((0.8 / 6) / (0.6 / 6))
+    # Round 2: off is best in segment 1 (0.30 against 0.40), chain2 in segment 2.
+    assert switching_ceiling(segments, "chain2", [1]) == pytest.approx((0.6 / 5) / (0.5 / 5))
+    assert switching_ceiling({"off": segments["off"]}, "off", [0, 1]) == pytest.approx(1.0)
+    # A segment the best static has no request in is left out.
+    assert switching_ceiling({"off": [[[], [0.1]]], "chain2": [[[0.05], [0.2]]]}, "off", [0]) == pytest.approx(1.0)
 
 
 # ---------------------------------------------------------------------------- CLI
