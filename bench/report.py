@@ -357,25 +357,25 @@ def phase_goal(phase: dict, resamples: int = 2000) -> dict | None:
     best = min(statics, key=lambda p: pooled_mean([rounds[p][i] for i in select]))
     interval = bootstrap_ratio([rounds[best][i] for i in score], [rounds[ADAPTIVE][i] for i in score], mean,
                                resamples=resamples)
+    cells, from_means = _segment_cells(phase, statics)
     return {"best_static": best, "ratio": interval.ratio, "low": interval.low, "high": interval.high,
             "goal": PHASE_GOAL, "verdict": interval.meets(PHASE_GOAL),
             "selection_rounds": [i + 1 for i in select], "scoring_rounds": [i + 1 for i in score],
-            "ceiling": switching_ceiling(_segment_cells(phase, statics), best, score),
-            "ceiling_from_means": any("segment_tpots_s" not in r for p in statics
-                                      for r in runs[p].get("per_round") or [runs[p]])}
+            "ceiling": switching_ceiling(cells, best, score), "ceiling_from_means": from_means}
 
 
-def _segment_cells(phase: dict, policies: list[str]) -> dict[str, list[list[list[float]]]]:
-    """policy -> round -> segment -> TPOTs (seconds). Results from before the per-segment TPOTs
-    were kept stand each segment's mean in for the number of requests its rate and length
-    give (the ceiling is then approximate)."""
+def _segment_cells(phase: dict, policies: list[str]) -> tuple[dict[str, list[list[list[float]]]], bool]:
+    """(policy -> round -> segment -> TPOTs (seconds), whether any came from segment means).
+    Results from before the per-segment TPOTs were kept stand each segment's mean in for the
+    number of requests its rate and length give (the ceiling is then approximate)."""
     expected = [max(1, round(s["rate"] * s["duration_s"])) for s in phase["segments"]]
-    cells = {}
+    cells, from_means = {}, False
     for p in policies:
         rounds = phase["runs"][p].get("per_round") or [phase["runs"][p]]
+        from_means |= any("segment_tpots_s" not in r for r in rounds)
         cells[p] = [r["segment_tpots_s"] if "segment_tpots_s" in r else
                     [[] if m is None else [m] * n for m, n in zip(r["segment_tpot_s"], expected)] for r in rounds]
-    return cells
+    return cells, from_means
 
 
 def phase_section(phase: dict | None) -> list[str]:

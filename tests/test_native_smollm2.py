@@ -76,12 +76,9 @@ def smol_bf16(smol):
     return NativeEngine.from_pretrained(MODEL, dtype=torch.bfloat16, config=EngineConfig(max_batch_size=2, max_seq_len=512))
 
 
-# Where oneDNN has no bfloat16 kernels (an AVX2-only CPU such as AMD Zen 2), the flash-attention
-# kernel's bfloat16 matmuls give a query other bits when more query rows share the pass (seen on
-# a Zen 2 machine: same q, keys and mask row, layer 6 differed by 1.5e-5 between a one-token
-# and a five-token pass), so speculation can flip a near-tie there. Such a CPU serves float32
-# (`dtype: auto`, native_engine/dtype_choice.py); exactness in bfloat16 is promised where
-# bfloat16 runs natively (docs/native-engine.md).
+# Without oneDNN bfloat16 (an AVX2-only CPU) the attention kernel's bf16 result depends on the
+# query rows in the pass, so speculation can flip a near-tie; such a CPU serves float32
+# (docs/native-engine.md, "Greedy output under speculation equals off's in bf16 too").
 @pytest.mark.skipif(not dtype_choice.cpu_has_bf16(), reason="this CPU has no oneDNN bfloat16 (see the comment)")
 @pytest.mark.parametrize("batch", [1, 2])
 def test_bfloat16_greedy_under_speculation_equals_off(smol_bf16, batch):
