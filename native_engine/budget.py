@@ -17,8 +17,7 @@ subtree, verified with the others in the engine's one pass.
 Edge estimates (calibrated drafter confidence x the sequence's own record):
 - the drafter's confidence in an edge: the share of the parent's matched occurrences that
   continue with the token (prompt lookup) or the draft model's probability of the token;
-- `Calibration`: decayed counts of (verified with parent accepted, accepted) per sampling
-  class (greedy, T <= 0.5, hotter), the sequence's previous step (no drafts, stopped short,
+- `Calibration`: decayed counts of (reached: parent accepted, accepted) per sampling class (greedy, T <= 0.5, hotter), the sequence's previous step (no drafts, stopped short,
   accepted to the tree's depth), drafter key (the n-gram match length in tokens, 2, 3, 4+;
   0 for a draft model), depth group and confidence bin; the rate there, shrunk towards the
   rate of its coarse cell (sampling class and previous step only), itself shrunk towards a
@@ -26,9 +25,17 @@ Edge estimates (calibrated drafter confidence x the sequence's own record):
 - the sequence factor: (accepted + prior) / (expected + prior), its decayed draft tokens
   accepted against the calibrated estimates of the candidates it had reached. A sequence
   sampled at high temperature that keeps rejecting drifts towards 0 and gets no nodes while
-  a greedy one beside it gets many; while it gets none its record fades back to the prior,
-  so it is tried again a few dozen steps later. The factor stays within [0, MAX_FACTOR]: a
-  run of luck must not make every deep node look certain.
+  a greedy one beside it gets many. The factor stays within [0, MAX_FACTOR]: a run of luck
+  must not make every deep node look certain.
+Both learn in hindsight from every node offered, verified or not (`hindsight`): once the
+sequence's output has moved past an offer, a node counts as reached if its parent's token is
+the one the output took there, and as accepted if its own is. Every candidate is a point mass
+(a matched run's token, a draft model's top-w child), and verification accepts such a
+candidate with exactly the probability that the target emits its token (native_engine/verify.py),
+so for a node that was not verified the output says what verifying it would have done, in
+distribution. Learning only from verified nodes starves the deep nodes of long copied runs:
+they are rarely kept while their estimate is low, so their estimate stays low (measured on
+the mixed batch-4 set: the offers held 2.3x the accepted tokens of the nodes kept).
 - the batch's bias: predicted accepted tokens (the sum of the kept nodes' p) against those
   accepted, decayed; every p is scaled by it. Keeping the nodes that look best favours the
   ones whose estimate is too high (the winner's curse); this takes it back out.
@@ -58,8 +65,7 @@ PRIOR_RATE = 0.4  # calibrated edge rate where nothing was measured
 PRIOR_WEIGHT = 2.0  # the prior counts as this many verified candidates
 CALIBRATION_DECAY = 0.999  # per budgeted step: the calibration remembers a few thousand steps
 SEQUENCE_PRIOR = 2.0  # the sequence factor's prior, in expected accepted tokens
-SEQUENCE_DECAY = 0.8  # per step a sequence verified drafts
-SEQUENCE_IDLE_DECAY = 0.95  # per step it verified none: its record fades back to the prior
+SEQUENCE_DECAY = 0.8  # per offer of the sequence resolved in hindsight
 MAX_FACTOR = 1.2  # the sequence factor's ceiling
 BIAS_PRIOR = 10.0  # the bias correction's prior, in tokens (predicted = accepted)
 BIAS_DECAY = 0.99  # per budgeted step
@@ -214,13 +220,42 @@ def by_sequence(ranked: list[tuple[float, int, int]], seqs: int) -> list[list[in
 
 
 @dataclass
+class Offer:
+    """A sequence's candidate tree at one step, kept until its output shows which nodes the
+    target would have accepted."""
+
+    start: int  # output tokens when offered: a node at depth d stands for output[start + d - 1]
+    tree: DraftTree
+    edges: list[float]  # calibrated edge rate per node (no sequence factor)
+    cells: list[tuple[int, ...]]  # calibration cell per node
+
+
+def hindsight(tree: DraftTree, future: list[int], finished: bool) -> list[tuple[int, bool]] | None:
+    """(node, accepted) for every node of `tree` whose parent the output went through (the
+    root's children first), given `future`: the output tokens after the tree's root. None
+    while the output is too short to tell (the path is still matching where it ends and the
+    sequence goes on)."""
+    out: list[tuple[int, bool]] = []
+    parent, depth = -1, 0
+    while True:
+        children = [i for i, p in enumerate(tree.parents) if p == parent]
+        if not children:
+            return out
+        if depth >= len(future):
+            return out if finished else None
+        hit = next((i for i in children if tree.tokens[i] == future[depth]), None)
+        out += [(i, i == hit) for i in children]
+        if hit is None:
+            return out
+        parent, depth = hit, depth + 1
+
+
+@dataclass
 class BudgetPlan:
     """What one budgeted step chose."""
 
     budget: int  # nodes kept (B)
     predicted: float  # expected draft tokens accepted: the sum of the kept nodes' p, bias correction undone
-    edge_estimates: list[list[float]]  # [sequence][kept node] calibrated edge rate (no sequence factor)
-    cells: list[list[tuple[int, ...]]]  # [sequence][kept node] calibration cell
 
 
 class BudgetPlanner:
@@ -275,39 +310,43 @@ class BudgetPlanner:
             budget = min(cap, 2 * budget + n)
         kept = by_sequence(ranked[:budget], n)
         trees = [subtree(t, k) for t, k in zip(offers, kept)]
-        return trees, BudgetPlan(
-            # Before the bias correction: the correction is measured against the raw estimates.
-            budget=budget, predicted=sum(sorted_p[:budget]) / bias,
-            edge_estimates=[[estimates[s][1][i] for i in k] for s, k in enumerate(kept)],
-            cells=[[estimates[s][2][i] for i in k] for s, k in enumerate(kept)])
+        for req, offer, (_, edges, cells) in zip(decode, offers, estimates):
+            if len(offer):
+                req.offers.append(Offer(len(req.output), offer, edges, cells))
+        # Before the bias correction: the correction is measured against the raw estimates.
+        return trees, BudgetPlan(budget=budget, predicted=sum(sorted_p[:budget]) / bias)
 
     def observe(self, decode: list[Request], trees: list[DraftTree], results: list[Acceptance],
                 plan: BudgetPlan) -> None:
-        """Learn from the verified trees: every node whose parent was accepted was reached."""
+        """After the step's tokens are appended: learn from every offer the outputs have now
+        resolved (`hindsight`), and the bias correction from the verified trees."""
         self.calibration.decay()
         self.predicted = BIAS_DECAY * self.predicted + plan.predicted
         self.accepted = BIAS_DECAY * self.accepted + sum(r.num_accepted for r in results)
-        for req, tree, result, edges, cells in zip(decode, trees, results, plan.edge_estimates, plan.cells):
+        for req, tree, result in zip(decode, trees, results):
             if not len(tree):
-                req.draft_accepted *= SEQUENCE_IDLE_DECAY
-                req.draft_expected *= SEQUENCE_IDLE_DECAY
                 req.last_verify = LAST_NONE
+            else:
+                req.last_verify = LAST_ALL if result.num_accepted >= max(tree.depths()) else LAST_SHORT
+            self.resolve_offers(req)
+
+    def resolve_offers(self, req: Request) -> None:
+        """Count the nodes of `req`'s pending offers that its output has resolved."""
+        pending = []
+        for offer in req.offers:
+            nodes = hindsight(offer.tree, req.output[offer.start:], req.finished)
+            if nodes is None:
+                pending.append(offer)
                 continue
-            req.last_verify = LAST_ALL if result.num_accepted >= max(tree.depths()) else LAST_SHORT
-            accepted = {row - 1 for row in result.path[1:]}
-            on_path = accepted | {-1}  # -1: the root
             expected = gained = 0.0
-            for i, parent in enumerate(tree.parents):
-                if parent not in on_path:
-                    continue
-                hit = i in accepted
-                cell = cells[i]
-                self.calibration.reached[cell] += 1.0
-                self.calibration.accepted[cell] += float(hit)
-                expected += edges[i]
+            for i, hit in nodes:
+                self.calibration.reached[offer.cells[i]] += 1.0
+                self.calibration.accepted[offer.cells[i]] += float(hit)
+                expected += offer.edges[i]
                 gained += float(hit)
             req.draft_accepted = SEQUENCE_DECAY * req.draft_accepted + gained
             req.draft_expected = SEQUENCE_DECAY * req.draft_expected + expected
+        req.offers = pending
 
     def record_step(self, duration_s: float, seqs: int, tokens: int, padded_tokens: int, context_tokens: int) -> None:
         """A decode step's measured time (no prefill in it), for the cost fit."""

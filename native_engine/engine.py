@@ -245,9 +245,9 @@ class NativeEngine:
         if config.per_request and decode:
             trees, plan = self.budget.plan(decode, trees, config.max_nodes, context)
         results, verified, padded = self._verify(decode, trees)
-        if plan is not None:
-            self.budget.observe(decode, trees, results, plan)
         outputs += self._commit(decode, results)
+        if plan is not None:  # after the commit: the offers are learned from the outputs
+            self.budget.observe(decode, trees, results, plan)
         outputs += self._prefill(new)
         self._release_finished()
         counts = AcceptanceCounts(shape.widths if decode else (), per_rank=plan is None)

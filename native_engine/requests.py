@@ -70,6 +70,7 @@ class Request:
     draft_accepted: float = 0.0
     draft_expected: float = 0.0
     last_verify: int = 0  # what its previous budgeted step did (native_engine.budget.LAST_*)
+    offers: list = field(default_factory=list)  # native_engine.budget.Offer not yet resolved in hindsight
 
     @property
     def context(self) -> list[int]:

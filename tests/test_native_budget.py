@@ -15,7 +15,7 @@ import torch
 
 from adaspec.policy import SpecPolicy
 from native_engine.budget import (
-    MAX_EDGE, MIN_P, BudgetPlanner, StepCost, best_budget, edge_confidences, select_nodes,
+    MAX_EDGE, MIN_P, BudgetPlanner, StepCost, best_budget, edge_confidences, hindsight, select_nodes,
 )
 from native_engine.drafters import NgramDrafter
 from native_engine.engine import EngineConfig, NativeEngine
@@ -85,6 +85,19 @@ def test_kept_nodes_form_rooted_subtrees_whatever_the_estimates():
         for budget in (0, 3, 10, 100):
             for tree, kept in zip(trees, select_nodes(probs, budget)):
                 assert all(tree.parents[i] < 0 or tree.parents[i] in kept for i in kept), (trial, budget)
+
+
+def test_hindsight_reads_each_offered_node_off_the_output():
+    # root -> 10 (0), 11 (1); 10 -> 12 (2); 12 -> 13 (3)
+    tree = DraftTree(tokens=[10, 11, 12, 13], parents=[-1, -1, 0, 2], scores=[0.6, 0.4, 0.6, 0.6])
+    # The output took 10 then 12 then 99: nodes 0 and 2 accepted, 1 and 3 reached and rejected.
+    assert hindsight(tree, [10, 12, 99], finished=False) == [(0, True), (1, False), (2, True), (3, False)]
+    assert hindsight(tree, [11, 5], finished=False) == [(0, False), (1, True)]  # 11 has no children
+    assert hindsight(tree, [7], finished=False) == [(0, False), (1, False)]  # off the tree at once
+    assert hindsight(tree, [10], finished=False) is None  # node 2 not decided yet
+    assert hindsight(tree, [10], finished=True) == [(0, True), (1, False)]  # the output ended there
+    assert hindsight(tree, [], finished=False) is None
+    assert hindsight(DraftTree(), [], finished=False) == []
 
 
 def test_edge_confidence_is_the_path_score_over_the_parents():
@@ -198,6 +211,25 @@ def test_a_sequence_that_keeps_rejecting_gets_no_nodes_beside_a_greedy_one(targe
     assert sum(g > 0 for g in greedy) >= 0.2 * len(late), greedy  # drafted whenever prompt lookup matched
     assert sum(h == 0 for h in hot) >= 0.8 * len(late), hot  # the rest: the cost fit's exploration steps
     assert sum(hot) < 0.25 * sum(greedy)
+
+
+def test_offers_not_verified_are_learned_from_in_hindsight(target):
+    """At a step cost that makes every node too dear, `auto` verifies drafts only on its
+    exploration steps; its calibration still counts the offered nodes the outputs resolved,
+    and for greedy sequences their accepted share is what verifying them would have given."""
+    engine = _engine(target, "auto", batch=2)
+    _hold_step_cost(engine, per_token_s=1.0)
+    engine.generate(_prompts(2, seed=3), SamplingParams(max_tokens=120))
+    steps = [s for s in engine.drain().steps if s.node_budget is not None]
+    verified = sum(sum(s.nodes_per_seq) for s in steps)
+    reached = engine.budget.calibration.reached.sum()
+    accepted = engine.budget.calibration.accepted.sum()
+    assert verified < 0.2 * sum(s.num_decode_reqs for s in steps), "drafts were verified: the cost did not bind"
+    assert reached > 5 * max(verified, 1), (reached, verified)
+    assert accepted > 10, "the greedy sequences' offers were never right: the test proves nothing"
+    # Greedy: the verified steps' acceptance and the hindsight rate describe the same event.
+    measured = sum(sum(s.accepted_per_seq) for s in steps) / max(verified, 1)
+    assert abs(measured - accepted / reached) < 0.35, (measured, accepted / reached)
 
 
 def test_packed_forward_equals_the_padded_one(target):
