@@ -71,6 +71,12 @@ def build_engine(s: NativeSettings):
         dtype = choice.dtype
     else:
         dtype = dtype_choice.DTYPES[s.dtype]
+        if s.dtype == "bfloat16" and s.device == "cpu" and not dtype_choice.cpu_has_bf16():
+            # Emulated there: several times slower than float32, and greedy output under
+            # speculation may differ from greedy without it (docs/native-engine.md, bf16).
+            logger.warning("adaspec: dtype bfloat16 on a CPU without native bfloat16 (no AVX512-BF16 / AMX): "
+                           "slower than float32, and greedy speculation is not token-exact here; "
+                           "dtype: auto would pick float32")
     # The cache row holds the context window plus one verify tree beyond it.
     config = EngineConfig(max_batch_size=s.max_batch_size, max_seq_len=s.max_model_len + s.max_tree_nodes + 1,
                           max_tree_nodes=s.max_tree_nodes, tree_budget=s.tree_budget)

@@ -84,6 +84,21 @@ def test_tree_app_builds_native_replicas_on_one_cpu_bundle():
     assert replicas._bound_deployment.init_kwargs["engine_cls"].keywords["settings"] == settings
 
 
+@pytest.mark.parametrize("native_bf16", [False, True])
+def test_bfloat16_on_a_cpu_without_it_is_warned_about(monkeypatch, caplog, native_bf16):
+    from native_engine import dtype_choice
+    from serve_app.builder import native_settings
+    from serve_app.native_adapter import build_engine
+
+    monkeypatch.setattr(dtype_choice, "cpu_has_bf16", lambda: native_bf16)
+    settings = native_settings(AppConfig.model_validate({"engine": "native", "dtype": "bfloat16"}))
+    with caplog.at_level("WARNING", logger="ray.serve"):
+        engine = build_engine(settings)
+    assert str(engine.model.lm_head.weight.dtype) == "torch.bfloat16"
+    warned = [r.getMessage() for r in caplog.records if "without native bfloat16" in r.getMessage()]
+    assert bool(warned) != native_bf16, warned
+
+
 # ----------------------------------------------------------------------------------- engine thread
 def test_engine_loop_serves_requests_like_generate_and_aborts():
     prompts = [[1, 2, 3, 4, 1, 2, 3], [5, 6, 7, 5, 6, 7, 5], [9, 8, 7, 6]]
