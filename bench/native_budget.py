@@ -95,6 +95,8 @@ def run(base: NativeEngine, policy: str, requests: list[dict], batch: int, plann
                           SpecPolicy.parse(policy), base.tokenizer, tuple(base.eos_ids))
     if planner is not None:
         engine.budget = copy.deepcopy(planner)
+        engine.budget.reliability[:] = 0.0  # this run's nodes only
+        engine.budget.offered_accepted = 0
     first: dict[str, float] = {}
     done: dict[str, tuple[float, int]] = {}
     outputs: dict[str, list[int]] = {r["id"]: [] for r in requests}
@@ -125,6 +127,11 @@ def run(base: NativeEngine, policy: str, requests: list[dict], batch: int, plann
         "mean_batch": statistics.fmean(s.num_decode_reqs for s in decode) if decode else 0.0,
         "mean_nodes_per_seq": statistics.fmean(nodes) if nodes else 0.0,
         "mean_accepted_length": gained / max(1, sum(s.num_decode_reqs for s in decode)),
+        # Per-request budgets only (the estimates, in hindsight): [P bin] -> (offered nodes, on
+        # the output's path), and the draft tokens per decoding sequence and step the offers held.
+        **({"reliability": engine.budget.reliability.tolist(),
+            "offered_accepted_per_seq": engine.budget.offered_accepted / max(1, sum(s.num_decode_reqs for s in decode))}
+           if policy == BUDGETED else {}),
         "greedy_outputs": {r["id"]: outputs[r["id"]] for r in requests if r["greedy"]},
         "planner": engine.budget,
     }
@@ -206,8 +213,23 @@ def summarize(runs: list[dict], batches: tuple[int, ...], policies: list[str], r
             "goal": GOAL.get(batch, 1.0),
             "verdict": verdict(min(ratios), max(ratios), tpot, GOAL.get(batch, 1.0)),
             "greedy_outputs_equal_off": greedy_same,
+            "auto_estimates": estimate_reliability(cell[BUDGETED]),
         })
     return rows
+
+
+def estimate_reliability(runs: list[dict]) -> dict:
+    """How good `auto`'s P(accepted) was, judged in hindsight over every node its sequences
+    offered (native_engine/budget.py): per bin of P, the share the outputs went through; and the
+    draft tokens per sequence and step it accepted against those its offers held."""
+    counts = [[sum(r["reliability"][b][k] for r in runs) for k in (0, 1)] for b in range(len(runs[0]["reliability"]))]
+    bins = len(counts)
+    return {
+        "bins": [{"p_low": b / bins, "p_high": (b + 1) / bins, "nodes": int(n), "on_path_rate": hit / n if n else None}
+                 for b, (n, hit) in enumerate(counts)],
+        "accepted_per_seq": statistics.fmean(r["mean_accepted_length"] - 1 for r in runs),
+        "offered_accepted_per_seq": statistics.fmean(r["offered_accepted_per_seq"] for r in runs),
+    }
 
 
 def verdict(low: float, high: float, tpot, goal: float) -> str:
@@ -229,6 +251,13 @@ def print_table(summary: list[dict]) -> None:
         print(f"{row['batch']} | {cells} | {row['best_static']} | {row['throughput_ratio']:.2f} "
               f"[{row['throughput_ratio_min']:.2f}, {row['throughput_ratio_max']:.2f}] | "
               f"{t['ratio']:.2f} [{t['low']:.2f}, {t['high']:.2f}] | >= {row['goal']}: {row['verdict']}")
+    for row in summary:
+        est = row["auto_estimates"]
+        bins = "  ".join(f"{b['p_low']:.1f}-{b['p_high']:.1f}: {b['on_path_rate']:.2f} ({b['nodes']})"
+                         for b in est["bins"] if b["nodes"])
+        print(f"batch {row['batch']}: {BUDGETED} accepted {est['accepted_per_seq']:.2f} draft tokens per sequence "
+              f"and step; its offers held {est['offered_accepted_per_seq']:.2f}. Its P(accepted), in hindsight "
+              f"(bin: share accepted (nodes)): {bins}")
 
 
 def plot(runs: list[dict], summary: list[dict], out: Path) -> None:

@@ -73,6 +73,7 @@ BIAS_DECAY = 0.99  # per budgeted step
 # sequence: the cost fit needs steps longer than the ones it picks, or a per-token cost
 # guessed too high would keep B at 0 and never be corrected.
 EXPLORE_EVERY = 16
+RELIABILITY_BINS = 10  # the estimates' reliability diagram: P(accepted) in bins of 0.1
 
 
 CALIBRATION_SHAPE = (SAMPLING_CLASSES, 3, MATCH_KEYS, len(DEPTH_EDGES) + 1, len(CONFIDENCE_EDGES) + 1)
@@ -228,6 +229,7 @@ class Offer:
     tree: DraftTree
     edges: list[float]  # calibrated edge rate per node (no sequence factor)
     cells: list[tuple[int, ...]]  # calibration cell per node
+    probs: list[float]  # P(accepted) per node as ranked (sequence factor and bias included)
 
 
 def hindsight(tree: DraftTree, future: list[int], finished: bool) -> list[tuple[int, bool]] | None:
@@ -267,6 +269,10 @@ class BudgetPlanner:
         self.steps = 0
         self.predicted = 0.0  # decayed sum of the kept nodes' p
         self.accepted = 0.0  # decayed draft tokens accepted in the same steps
+        # How good the estimates are, in hindsight, over every offered node (not decayed; a
+        # benchmark resets them): [P bin] -> (nodes, nodes the output went through).
+        self.reliability = np.zeros((RELIABILITY_BINS, 2))
+        self.offered_accepted = 0  # draft tokens the offers held: accepted had every node been verified
 
     @property
     def bias(self) -> float:
@@ -310,9 +316,9 @@ class BudgetPlanner:
             budget = min(cap, 2 * budget + n)
         kept = by_sequence(ranked[:budget], n)
         trees = [subtree(t, k) for t, k in zip(offers, kept)]
-        for req, offer, (_, edges, cells) in zip(decode, offers, estimates):
+        for req, offer, (probs, edges, cells) in zip(decode, offers, estimates):
             if len(offer):
-                req.offers.append(Offer(len(req.output), offer, edges, cells))
+                req.offers.append(Offer(len(req.output), offer, edges, cells, probs))
         # Before the bias correction: the correction is measured against the raw estimates.
         return trees, BudgetPlan(budget=budget, predicted=sum(sorted_p[:budget]) / bias)
 
@@ -346,7 +352,18 @@ class BudgetPlanner:
                 gained += float(hit)
             req.draft_accepted = SEQUENCE_DECAY * req.draft_accepted + gained
             req.draft_expected = SEQUENCE_DECAY * req.draft_expected + expected
+            self._score(offer, {i for i, hit in nodes if hit}, len(req.output) - offer.start, req.finished)
         req.offers = pending
+
+    def _score(self, offer: Offer, on_path: set[int], known: int, finished: bool) -> None:
+        """Add a resolved offer to the reliability diagram: a node is on the path or not,
+        except below where a finished output ends (`known` tokens after the root)."""
+        self.offered_accepted += len(on_path)
+        for i, depth in enumerate(offer.tree.depths()):
+            if finished and depth > known:
+                continue
+            b = min(int(offer.probs[i] * RELIABILITY_BINS), RELIABILITY_BINS - 1)
+            self.reliability[b] += (1.0, float(i in on_path))
 
     def record_step(self, duration_s: float, seqs: int, tokens: int, padded_tokens: int, context_tokens: int) -> None:
         """A decode step's measured time (no prefill in it), for the cost fit."""

@@ -230,6 +230,9 @@ def test_offers_not_verified_are_learned_from_in_hindsight(target):
     # Greedy: the verified steps' acceptance and the hindsight rate describe the same event.
     measured = sum(sum(s.accepted_per_seq) for s in steps) / max(verified, 1)
     assert abs(measured - accepted / reached) < 0.35, (measured, accepted / reached)
+    # The reliability diagram holds every node the outputs went through, and nothing else.
+    assert engine.budget.reliability[:, 1].sum() == engine.budget.offered_accepted > 10
+    assert (engine.budget.reliability[:, 1] <= engine.budget.reliability[:, 0]).all()
 
 
 def test_packed_forward_equals_the_padded_one(target):
