@@ -4,17 +4,15 @@ A step under `auto` or `budgetN` (adaspec.policy) works in three moves:
 1. offer: every decoding sequence's drafter proposes a candidate tree (the engine's offer
    shape, best-first, at most max_tree_nodes nodes);
 2. estimate: each candidate node gets p = P(accepted), the product along its path of edge
-   estimates P(child accepted | parent accepted) (`BudgetPlanner.node_probabilities`),
-   recalibrated (`Recalibration`);
+   estimates P(child accepted | parent accepted) (`BudgetPlanner.node_probabilities`);
 3. select: all nodes of the batch sorted by p; the first B are verified, B chosen to
    maximise predicted tokens per second (`best_budget`):
        (n + sum of the first B p's) / t(n sequences, n + B tokens)
    where each of the n sequences gains its bonus token and t is the engine's own step-cost
    fit (`StepCost`). B = 0 is a valid answer; `budgetN` caps B at N.
-Each edge estimate is below 1 (MAX_EDGE), so a node's product is below its parent's; the
-recalibration never reverses that order (at most it ties, and ties rank the parent first), so
-any prefix of the order holds every kept node's ancestors: each sequence's kept nodes form a
-rooted subtree, verified with the others in the engine's one pass.
+Each edge estimate is below 1 (MAX_EDGE), so a node's p is below its parent's and any prefix
+of the order holds every kept node's ancestors: each sequence's kept nodes form a rooted
+subtree, verified with the others in the engine's one pass.
 
 Edge estimates (calibrated drafter confidence x the sequence's own record):
 - the drafter's confidence in an edge: the share of the parent's matched occurrences that
@@ -38,12 +36,9 @@ so for a node that was not verified the output says what verifying it would have
 distribution. Learning only from verified nodes starves the deep nodes of long copied runs:
 they are rarely kept while their estimate is low, so their estimate stays low (measured on
 the mixed batch-4 set: the offers held 2.3x the accepted tokens of the nodes kept).
-- `Recalibration`: the product along the path, as estimated, mapped to the share of nodes
-  so estimated that the outputs went through (decayed counts per bin of the estimate, made
-  non-decreasing, interpolated). Measured on every offered node, not only the kept ones, so it
-  carries no winner's curse: keeping a node depends only on its estimate, and the map gives
-  the acceptance of nodes with that estimate. Products of edge rates spread too wide
-  (measured in hindsight: estimates of 0.0-0.1 came true 14% of the time, 0.8-0.9 62%).
+- the batch's bias: predicted accepted tokens (the sum of the kept nodes' p) against those
+  accepted, decayed; every p is scaled by it. Keeping the nodes that look best favours the
+  ones whose estimate is too high (the winner's curse); this takes it back out.
 Nodes deeper than the sequence's remaining tokens - 1 are worth nothing (p = 0).
 """
 
@@ -72,8 +67,8 @@ CALIBRATION_DECAY = 0.999  # per budgeted step: the calibration remembers a few 
 SEQUENCE_PRIOR = 2.0  # the sequence factor's prior, in expected accepted tokens
 SEQUENCE_DECAY = 0.8  # per offer of the sequence resolved in hindsight
 MAX_FACTOR = 1.2  # the sequence factor's ceiling
-RECAL_BINS = 20  # bins of the estimated P(accepted) the recalibration counts in
-RECAL_PRIOR = 5.0  # a bin's rate starts at its centre (the estimate taken at its word), as this many nodes
+BIAS_PRIOR = 10.0  # the bias correction's prior, in tokens (predicted = accepted)
+BIAS_DECAY = 0.99  # per budgeted step
 # Every EXPLORE_EVERY budgeted steps the engine verifies twice the chosen nodes plus one per
 # sequence: the cost fit needs steps longer than the ones it picks, or a per-token cost
 # guessed too high would keep B at 0 and never be corrected.
@@ -127,48 +122,6 @@ class Calibration:
     def decay(self) -> None:
         self.reached *= CALIBRATION_DECAY
         self.accepted *= CALIBRATION_DECAY
-
-
-def non_decreasing(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """The weighted least-squares non-decreasing fit to `values` (pool adjacent violators)."""
-    blocks: list[list[float]] = []  # [value, weight, bins]
-    for v, w in zip(values, weights):
-        blocks.append([float(v), float(w), 1])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            v2, w2, n2 = blocks.pop()
-            v1, w1, n1 = blocks.pop()
-            blocks.append([(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
-    return np.repeat([b[0] for b in blocks], [int(b[2]) for b in blocks])
-
-
-@dataclass
-class Recalibration:
-    """Estimated P(accepted) -> measured: decayed (nodes, accepted) per bin of the estimate."""
-
-    counts: np.ndarray = field(default_factory=lambda: np.zeros((RECAL_BINS, 2)))
-
-    @staticmethod
-    def bin(p: float) -> int:
-        return min(int(p * RECAL_BINS), RECAL_BINS - 1)
-
-    def table(self) -> tuple[np.ndarray, np.ndarray]:
-        """(estimates, measured rates): the bin centres with (0, 0) in front, and each bin's rate
-        shrunk towards its centre, made non-decreasing."""
-        centres = (np.arange(RECAL_BINS) + 0.5) / RECAL_BINS
-        n, hits = self.counts[:, 0], self.counts[:, 1]
-        rates = non_decreasing((hits + RECAL_PRIOR * centres) / (n + RECAL_PRIOR), n + RECAL_PRIOR)
-        return np.concatenate([[0.0], centres]), np.concatenate([[0.0], rates])
-
-    def apply(self, probs: list[float]) -> list[float]:
-        """Recalibrated P per estimate: non-decreasing in the estimate, so a child never ranks
-        above its parent (ties keep the parent first: ranked_nodes), and 0 stays 0."""
-        if not probs:
-            return []
-        x, y = self.table()
-        return np.interp(probs, x, y).tolist()
-
-    def decay(self) -> None:
-        self.counts *= CALIBRATION_DECAY
 
 
 COST_KNOTS = (8, 32, 128)  # tokens per step where the marginal cost of a token may change
@@ -276,8 +229,7 @@ class Offer:
     tree: DraftTree
     edges: list[float]  # calibrated edge rate per node (no sequence factor)
     cells: list[tuple[int, ...]]  # calibration cell per node
-    estimates: list[float]  # P(accepted) per node before the recalibration
-    probs: list[float]  # P(accepted) per node as ranked
+    probs: list[float]  # P(accepted) per node as ranked (sequence factor and bias included)
 
 
 def hindsight(tree: DraftTree, future: list[int], finished: bool) -> list[tuple[int, bool]] | None:
@@ -305,6 +257,7 @@ class BudgetPlan:
     """What one budgeted step chose."""
 
     budget: int  # nodes kept (B)
+    predicted: float  # expected draft tokens accepted: the sum of the kept nodes' p, bias correction undone
 
 
 class BudgetPlanner:
@@ -312,18 +265,24 @@ class BudgetPlanner:
 
     def __init__(self) -> None:
         self.calibration = Calibration()
-        self.recalibration = Recalibration()
         self.cost = StepCost()
         self.steps = 0
+        self.predicted = 0.0  # decayed sum of the kept nodes' p
+        self.accepted = 0.0  # decayed draft tokens accepted in the same steps
         # How good the estimates are, in hindsight, over every offered node (not decayed; a
         # benchmark resets them): [P bin] -> (nodes, nodes the output went through).
         self.reliability = np.zeros((RELIABILITY_BINS, 2))
         self.offered_accepted = 0  # draft tokens the offers held: accepted had every node been verified
 
-    def node_probabilities(self, req: Request, tree: DraftTree
+    @property
+    def bias(self) -> float:
+        """Accepted over predicted draft tokens (decayed; 1 before any step)."""
+        return (self.accepted + BIAS_PRIOR) / (self.predicted + BIAS_PRIOR)
+
+    def node_probabilities(self, req: Request, tree: DraftTree, bias: float = 1.0
                            ) -> tuple[list[float], list[float], list[tuple[int, ...]]]:
-        """(P(node accepted) before the recalibration, calibrated edge rate, calibration cell)
-        per node of `tree`."""
+        """(P(node accepted), calibrated edge rate, calibration cell) per node of `tree`;
+        `bias` scales every P (the batch's bias correction)."""
         cls = sampling_class(req.params)
         key = min(tree.match_len, MATCH_KEYS - 1)
         rates = self.calibration.rates(cls, req.last_verify, key)
@@ -334,7 +293,7 @@ class BudgetPlanner:
         for i, (conf, parent) in enumerate(zip(edge_confidences(tree), tree.parents)):
             cell = (cls, req.last_verify, key, depth_group(depths[i]), confidence_bin(conf))
             edge = float(rates[cell[3:]])
-            p = min(edge * factor, MAX_EDGE) * (1.0 if parent < 0 else probs[parent])
+            p = min(edge * factor, MAX_EDGE) * (bias if parent < 0 else probs[parent])
             probs.append(p if depths[i] <= room else 0.0)
             edges.append(edge)
             cells.append(cell)
@@ -344,8 +303,9 @@ class BudgetPlanner:
              context_tokens: int) -> tuple[list[DraftTree], BudgetPlan]:
         """The trees to verify: the batch's best nodes, as many as pay (at most max_nodes)."""
         self.steps += 1
-        estimates = [self.node_probabilities(r, t) for r, t in zip(decode, offers)]
-        probs = [self.recalibration.apply(e[0]) for e in estimates]
+        bias = min(self.bias, 1.0 / MAX_EDGE)
+        estimates = [self.node_probabilities(r, t, bias) for r, t in zip(decode, offers)]
+        probs = [e[0] for e in estimates]
         ranked = ranked_nodes(probs)
         sorted_p = [p for p, _, _ in ranked]
         cap = len(sorted_p) if max_nodes is None else min(max_nodes, len(sorted_p))
@@ -356,17 +316,19 @@ class BudgetPlanner:
             budget = min(cap, 2 * budget + n)
         kept = by_sequence(ranked[:budget], n)
         trees = [subtree(t, k) for t, k in zip(offers, kept)]
-        for req, offer, (raw, edges, cells), ps in zip(decode, offers, estimates, probs):
+        for req, offer, (probs, edges, cells) in zip(decode, offers, estimates):
             if len(offer):
-                req.offers.append(Offer(len(req.output), offer, edges, cells, raw, ps))
-        return trees, BudgetPlan(budget=budget)
+                req.offers.append(Offer(len(req.output), offer, edges, cells, probs))
+        # Before the bias correction: the correction is measured against the raw estimates.
+        return trees, BudgetPlan(budget=budget, predicted=sum(sorted_p[:budget]) / bias)
 
     def observe(self, decode: list[Request], trees: list[DraftTree], results: list[Acceptance],
                 plan: BudgetPlan) -> None:
         """After the step's tokens are appended: learn from every offer the outputs have now
-        resolved (`hindsight`)."""
+        resolved (`hindsight`), and the bias correction from the verified trees."""
         self.calibration.decay()
-        self.recalibration.decay()
+        self.predicted = BIAS_DECAY * self.predicted + plan.predicted
+        self.accepted = BIAS_DECAY * self.accepted + sum(r.num_accepted for r in results)
         for req, tree, result in zip(decode, trees, results):
             if not len(tree):
                 req.last_verify = LAST_NONE
@@ -394,17 +356,14 @@ class BudgetPlanner:
         req.offers = pending
 
     def _score(self, offer: Offer, on_path: set[int], known: int, finished: bool) -> None:
-        """Add a resolved offer to the recalibration and the reliability diagram: a node is on
-        the path or not, except below where a finished output ends (`known` tokens after the
-        root)."""
+        """Add a resolved offer to the reliability diagram: a node is on the path or not,
+        except below where a finished output ends (`known` tokens after the root)."""
         self.offered_accepted += len(on_path)
         for i, depth in enumerate(offer.tree.depths()):
             if finished and depth > known:
                 continue
-            hit = float(i in on_path)
-            self.recalibration.counts[Recalibration.bin(offer.estimates[i])] += (1.0, hit)
             b = min(int(offer.probs[i] * RELIABILITY_BINS), RELIABILITY_BINS - 1)
-            self.reliability[b] += (1.0, hit)
+            self.reliability[b] += (1.0, float(i in on_path))
 
     def record_step(self, duration_s: float, seqs: int, tokens: int, padded_tokens: int, context_tokens: int) -> None:
         """A decode step's measured time (no prefill in it), for the cost fit."""

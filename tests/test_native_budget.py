@@ -15,8 +15,7 @@ import torch
 
 from adaspec.policy import SpecPolicy
 from native_engine.budget import (
-    MAX_EDGE, MIN_P, RECAL_BINS, BudgetPlanner, Recalibration, StepCost, best_budget, edge_confidences,
-    hindsight, non_decreasing, select_nodes,
+    MAX_EDGE, MIN_P, BudgetPlanner, StepCost, best_budget, edge_confidences, hindsight, select_nodes,
 )
 from native_engine.drafters import NgramDrafter
 from native_engine.engine import EngineConfig, NativeEngine
@@ -73,20 +72,16 @@ def test_kept_nodes_form_rooted_subtrees_whatever_the_estimates():
     rng = random.Random(0)
     planner = BudgetPlanner()
     for trial in range(50):
-        # A recalibration measured from anything: flat stretches tie parents with children.
-        planner.recalibration.counts[:, 0] = [rng.choice([0.0, 50.0]) for _ in range(RECAL_BINS)]
-        planner.recalibration.counts[:, 1] = planner.recalibration.counts[:, 0] * rng.random()
         reqs = [Request(str(i), [1, 2, 3], SamplingParams(max_tokens=rng.choice([4, 40]),
                                                           temperature=rng.choice([0.0, 0.7, 1.5])), 0.0)
                 for i in range(4)]
         for r in reqs:
             r.draft_accepted, r.draft_expected = rng.uniform(0, 5), rng.uniform(0, 5)
         trees = [_random_tree(rng, rng.randrange(0, 12)) for _ in reqs]
-        raw = [planner.node_probabilities(r, t)[0] for r, t in zip(reqs, trees)]
-        for tree, ps in zip(trees, raw):
+        probs = [planner.node_probabilities(r, t)[0] for r, t in zip(reqs, trees)]
+        for tree, ps in zip(trees, probs):
             for i, parent in enumerate(tree.parents):
                 assert ps[i] <= MAX_EDGE * (1.0 if parent < 0 else ps[parent]) + 1e-12
-        probs = [planner.recalibration.apply(ps) for ps in raw]
         for budget in (0, 3, 10, 100):
             for tree, kept in zip(trees, select_nodes(probs, budget)):
                 assert all(tree.parents[i] < 0 or tree.parents[i] in kept for i in kept), (trial, budget)
@@ -103,22 +98,6 @@ def test_hindsight_reads_each_offered_node_off_the_output():
     assert hindsight(tree, [10], finished=True) == [(0, True), (1, False)]  # the output ended there
     assert hindsight(tree, [], finished=False) is None
     assert hindsight(DraftTree(), [], finished=False) == []
-
-
-def test_recalibration_maps_estimates_to_measured_rates_without_reordering():
-    assert non_decreasing(np.array([0.1, 0.3, 0.2, 0.5]), np.ones(4)).tolist() == pytest.approx([0.1, 0.25, 0.25, 0.5])
-    recal = Recalibration()
-    assert recal.apply([0.0, 0.125, 0.5, 0.975]) == pytest.approx([0.0, 0.125, 0.5, 0.975])  # nothing measured
-    # Estimates near 0.05 came true 20% of the time, near 0.85 only 60%, near 0.45 40%.
-    for p, n, hits in ((0.05, 1000, 200), (0.45, 1000, 400), (0.85, 1000, 600)):
-        recal.counts[Recalibration.bin(p)] = (n, hits)
-    got = recal.apply([0.0, 0.075, 0.475, 0.875])
-    assert got[0] == 0.0  # nodes past the request's end stay worthless
-    # Within 0.01: unmeasured bins keep their centres (prior weight 5), pooled with a measured
-    # neighbour they exceed.
-    assert got[1:] == pytest.approx([0.2, 0.4, 0.6], abs=0.01)
-    grid = np.linspace(0, 1, 201)
-    assert (np.diff(recal.apply(grid.tolist())) >= 0).all()
 
 
 def test_edge_confidence_is_the_path_score_over_the_parents():
