@@ -17,7 +17,8 @@ subtree, verified with the others in the engine's one pass.
 Edge estimates (calibrated drafter confidence x the sequence's own record):
 - the drafter's confidence in an edge: the share of the parent's matched occurrences that
   continue with the token (prompt lookup) or the draft model's probability of the token;
-- `Calibration`: decayed counts of (reached: parent accepted, accepted) per sampling class (greedy, T <= 0.5, hotter), the sequence's previous step (no drafts, stopped short,
+- `Calibration`: decayed counts of (reached: parent accepted, accepted) per sampling class
+  (greedy, T <= 0.5, hotter), the sequence's previous step (no drafts, stopped short,
   accepted to the tree's depth), drafter key (the n-gram match length in tokens, 2, 3, 4+;
   0 for a draft model), depth group and confidence bin; the rate there, shrunk towards the
   rate of its coarse cell (sampling class and previous step only), itself shrunk towards a
@@ -64,7 +65,7 @@ LAST_NONE, LAST_SHORT, LAST_ALL = 0, 1, 2
 MAX_EDGE = 0.98  # edge estimates stay below 1, so a child always ranks below its parent
 MIN_P = 1e-3  # nodes less likely than this are never verified
 PRIOR_RATE = 0.4  # calibrated edge rate where nothing was measured
-PRIOR_WEIGHT = 2.0  # the prior counts as this many verified candidates
+PRIOR_WEIGHT = 2.0  # the prior counts as this many reached candidates
 CALIBRATION_DECAY = 0.999  # per budgeted step: the calibration remembers a few thousand steps
 SEQUENCE_PRIOR = 2.0  # the sequence factor's prior, in expected accepted tokens
 SEQUENCE_DECAY = 0.8  # per offer of the sequence resolved in hindsight
@@ -108,8 +109,9 @@ def edge_confidences(tree: DraftTree) -> list[float]:
 
 @dataclass
 class Calibration:
-    """Decayed counts per [sampling class, drafter key, confidence bin]: candidates verified
-    with their parent accepted, and how many of those were accepted."""
+    """Decayed counts per [sampling class, previous step, drafter key, depth group, confidence
+    bin]: offered candidates reached (their parent accepted, in hindsight), and how many of
+    those were accepted."""
 
     reached: np.ndarray = field(default_factory=lambda: np.zeros(CALIBRATION_SHAPE))
     accepted: np.ndarray = field(default_factory=lambda: np.zeros(CALIBRATION_SHAPE))
