@@ -242,15 +242,16 @@ def hindsight(tree: DraftTree, future: list[int], finished: bool) -> list[tuple[
     while the output is too short to tell (the path is still matching where it ends and the
     sequence goes on)."""
     out: list[tuple[int, bool]] = []
+    children = tree.children()
     parent, depth = -1, 0
     while True:
-        children = [i for i, p in enumerate(tree.parents) if p == parent]
-        if not children:
+        below = children[parent + 1]
+        if not below:
             return out
         if depth >= len(future):
             return out if finished else None
-        hit = next((i for i in children if tree.tokens[i] == future[depth]), None)
-        out += [(i, i == hit) for i in children]
+        hit = next((i for i in below if tree.tokens[i] == future[depth]), None)
+        out += [(i, i == hit) for i in below]
         if hit is None:
             return out
         parent, depth = hit, depth + 1
@@ -363,11 +364,15 @@ class BudgetPlanner:
         """Add a resolved offer to the reliability diagram: a node is on the path or not,
         except below where a finished output ends (`known` tokens after the root)."""
         self.offered_accepted += len(on_path)
-        for i, depth in enumerate(offer.tree.depths()):
-            if finished and depth > known:
-                continue
-            b = min(int(offer.probs[i] * RELIABILITY_BINS), RELIABILITY_BINS - 1)
-            self.reliability[b] += (1.0, float(i in on_path))
+        # Vectorised: this runs for every resolved offer of every budgeted step.
+        bins = np.minimum((np.asarray(offer.probs) * RELIABILITY_BINS).astype(int), RELIABILITY_BINS - 1)
+        hits = np.zeros(len(bins))
+        hits[list(on_path)] = 1.0
+        if finished:
+            decided = np.asarray(offer.tree.depths()) <= known
+            bins, hits = bins[decided], hits[decided]
+        self.reliability[:, 0] += np.bincount(bins, minlength=RELIABILITY_BINS)
+        self.reliability[:, 1] += np.bincount(bins, weights=hits, minlength=RELIABILITY_BINS)
 
     def record_step(self, duration_s: float, seqs: int, tokens: int, padded_tokens: int, context_tokens: int) -> None:
         """A decode step's measured time (no prefill in it), for the cost fit."""
