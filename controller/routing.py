@@ -11,8 +11,11 @@ model with an example.
 
 The model of a new request of `output_tokens` tokens on a replica (all times in seconds):
 
-    n      = running + waiting + sent + 1      the requests there once it arrives (sent: what
-                                               the router sent after the stats were measured)
+    n      = max(running + waiting + change, 0) + 1
+                                               the requests there once it arrives (change: the
+                                               requests the router sent there after the stats
+                                               measured the load, less those it saw finish there
+                                               since, so negative when more finished)
     b      = min(n, max_batch)                 the batch it decodes in
     tpot(b)                                    seconds per output token of a sequence at batch b:
       with the controller's speed:   speed(b) * measured / speed(step_batch)
@@ -110,17 +113,18 @@ def tpot_curve(stats: RoutingStats, fixed_share: float = FIXED_STEP_SHARE) -> Ca
     return lambda batch: step_time_s(stats, batch, fixed_share) / stats.tokens_per_step
 
 
-def predicted_completion_s(stats: RoutingStats, output_tokens: int, now: float, *, sent: int = 0,
+def predicted_completion_s(stats: RoutingStats, output_tokens: int, now: float, *, load_change: int = 0,
                            fixed_share: float = FIXED_STEP_SHARE,
                            tpot: Callable[[float], float] | None = None) -> float:
     """Predicted seconds until a new request of `output_tokens` tokens, sent now (unix s),
-    finishes on the replica (the module docstring's model). `sent`: requests the router sent
-    there after `stats.measured_at`, which the stats do not count yet. `tpot`: the replica's
+    finishes on the replica (the module docstring's model). `load_change`: requests the router
+    sent there after `stats.measured_at` less those it saw finish there since, which the stats
+    do not show yet (requests; negative when more finished). `tpot`: the replica's
     `tpot_curve`, if the caller has it."""
     tpot = tpot or tpot_curve(stats, fixed_share)
     max_batch = stats.max_batch_size
     output_tokens = max(output_tokens, 1)
-    n = stats.running + stats.waiting + sent + 1
+    n = max(stats.running + stats.waiting + load_change, 0) + 1
     decode = output_tokens * tpot(min(n, max_batch))
     queue = 0.0
     if n > max_batch:
@@ -131,13 +135,13 @@ def predicted_completion_s(stats: RoutingStats, output_tokens: int, now: float, 
     return queue + decode
 
 
-def added_delay_s(stats: RoutingStats, now: float, *, sent: int = 0, fixed_share: float = FIXED_STEP_SHARE,
+def added_delay_s(stats: RoutingStats, now: float, *, load_change: int = 0, fixed_share: float = FIXED_STEP_SHARE,
                   tpot: Callable[[float], float] | None = None) -> float:
     """Seconds a new request adds, in total, to the requests already decoding on the replica
     (the module docstring's `added`): each of them has about half its output still to make,
-    at a slower step once the batch holds one more sequence. `tpot` as in
+    at a slower step once the batch holds one more sequence. `load_change` and `tpot` as in
     predicted_completion_s."""
-    decoding = stats.running + stats.waiting + sent
+    decoding = max(stats.running + stats.waiting + load_change, 0)
     if decoding == 0 or decoding >= stats.max_batch_size:
         return 0.0  # nobody there yet, or the batch is full: it waits for a slot, slowing no one
     tpot = tpot or tpot_curve(stats, fixed_share)
@@ -146,14 +150,14 @@ def added_delay_s(stats: RoutingStats, now: float, *, sent: int = 0, fixed_share
     return decoding * remaining * max(slower, 0.0)
 
 
-def routing_cost_s(stats: RoutingStats, output_tokens: int, now: float, *, sent: int = 0,
+def routing_cost_s(stats: RoutingStats, output_tokens: int, now: float, *, load_change: int = 0,
                    fixed_share: float = FIXED_STEP_SHARE) -> float:
     """What sending a request of `output_tokens` tokens to the replica costs, in seconds of
     latency summed over requests: its own predicted completion time plus the time it adds
     to the others there (the module docstring's `cost`)."""
     tpot = tpot_curve(stats, fixed_share)
-    return (predicted_completion_s(stats, output_tokens, now, sent=sent, tpot=tpot)
-            + added_delay_s(stats, now, sent=sent, tpot=tpot))
+    return (predicted_completion_s(stats, output_tokens, now, load_change=load_change, tpot=tpot)
+            + added_delay_s(stats, now, load_change=load_change, tpot=tpot))
 
 
 def _is_measured(stats: RoutingStats) -> bool:
@@ -185,14 +189,15 @@ def sample_candidates(candidates: Sequence[T], max_candidates: int | None, rng: 
 
 
 def rank_replicas(candidates: Sequence[tuple[ReplicaId, RoutingStats | None]], now: float, max_stats_age_s: float,
-                  *, output_tokens: int = DEFAULT_OUTPUT_TOKENS, sent: Mapping[ReplicaId, int] | None = None,
+                  *, output_tokens: int = DEFAULT_OUTPUT_TOKENS, load_change: Mapping[ReplicaId, int] | None = None,
                   fixed_share: float = FIXED_STEP_SHARE, tie_tolerance: float = TIE_TOLERANCE,
                   rng: random.Random | None = None) -> list[ReplicaId] | None:
     """The candidates best first by the routing cost of a request of `output_tokens` (its
     predicted completion time plus what it adds to the others there), or None when any
     candidate's stats are missing or older than `max_stats_age_s` (seconds before `now`, unix
     s), or none can predict yet: then the caller routes without them. The replicas within
-    `tie_tolerance` of the best come first in random order."""
+    `tie_tolerance` of the best come first in random order. `load_change`: per replica, as in
+    predicted_completion_s."""
     if not candidates:
         return None
     stats = [s for _, s in candidates]
@@ -201,9 +206,9 @@ def rank_replicas(candidates: Sequence[tuple[ReplicaId, RoutingStats | None]], n
     filled = _fill_unmeasured(stats, fixed_share)  # type: ignore[arg-type]  # no None left
     if filled is None:
         return None
-    sent = sent or {}
+    load_change = load_change or {}
     scored = sorted(
-        (routing_cost_s(s, output_tokens, now, sent=sent.get(rid, 0), fixed_share=fixed_share), i)
+        (routing_cost_s(s, output_tokens, now, load_change=load_change.get(rid, 0), fixed_share=fixed_share), i)
         for i, ((rid, _), s) in enumerate(zip(candidates, filled)))
     best = scored[0][0]
     ties = [i for pred, i in scored if pred <= best * (1.0 + tie_tolerance)]
@@ -213,11 +218,11 @@ def rank_replicas(candidates: Sequence[tuple[ReplicaId, RoutingStats | None]], n
 
 
 def choose_replica(candidates: Sequence[tuple[ReplicaId, RoutingStats | None]], now: float, max_stats_age_s: float,
-                   *, output_tokens: int = DEFAULT_OUTPUT_TOKENS, sent: Mapping[ReplicaId, int] | None = None,
+                   *, output_tokens: int = DEFAULT_OUTPUT_TOKENS, load_change: Mapping[ReplicaId, int] | None = None,
                    fixed_share: float = FIXED_STEP_SHARE, tie_tolerance: float = TIE_TOLERANCE,
                    rng: random.Random | None = None) -> ReplicaId | None:
     """The candidate where the request costs least (`rank_replicas`' first), or None
     when the stats cannot tell (missing, stale, none measured): the caller falls back."""
-    ranked = rank_replicas(candidates, now, max_stats_age_s, output_tokens=output_tokens, sent=sent,
+    ranked = rank_replicas(candidates, now, max_stats_age_s, output_tokens=output_tokens, load_change=load_change,
                            fixed_share=fixed_share, tie_tolerance=tie_tolerance, rng=rng)
     return ranked[0] if ranked else None

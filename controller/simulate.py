@@ -341,7 +341,7 @@ class _Router:
             picked = sample_candidates(range(len(self.sims)), MAX_CANDIDATES, self.rng)
             candidates = [(i, self._stats_of(i)) for i in picked]
             chosen = choose_replica(candidates, t, STATS_AGE_PERIODS * self.stats_period_s,
-                                    output_tokens=self.output_tokens, sent=self.sent, rng=self.rng)
+                                    output_tokens=self.output_tokens, load_change=self.sent, rng=self.rng)
             if chosen is not None:
                 self.sent[chosen] = self.sent.get(chosen, 0) + 1
                 return self._log(t, chosen, "spec_aware")

@@ -104,6 +104,7 @@ class SpecReplica(LLMServer):
         self._arrivals: deque[float] = deque()  # unix seconds
         self._finishes: deque[float] = deque()
         self._report: EngineReport | None = None
+        self._report_at = 0.0  # unix seconds of the drain that gave _report
         await super().__init__(llm_config, **kwargs)
         try:
             self._replica_id = serve.get_replica_context().replica_id.unique_id
@@ -176,10 +177,11 @@ class SpecReplica(LLMServer):
 
     # ------------------------------------------------------------------ engine polling
     async def _poll_engine(self) -> None:
+        drained_at = time.time()
         report = await self.engine.drain_report()
         if report.dropped_steps:
             logger.warning("adaspec: %d step records dropped (poll too slow)", report.dropped_steps)
-        self._report = report
+        self._report, self._report_at = report, drained_at
         self._steps.extend(report.steps)
         self._requests.extend(report.requests)
         horizon = time.time() - self._settings.window_s
@@ -236,7 +238,9 @@ class SpecReplica(LLMServer):
         endpoints) plus this replica's RoutingStats under its key (serve_app/router.py)."""
         stats = dict(await super().record_routing_stats() or {})
         assert self._report is not None  # the poller's last drain: at most poll_interval_s old
-        measured_at = time.time()
+        # When the load was read, not now: the router counts the requests it sent, and saw
+        # finish, after this time.
+        measured_at = self._report_at
         # Newest records only (the window holds minutes of them); a few times the steps a
         # measure uses, as prefill-only steps do not count.
         steps = list(itertools.islice(reversed(self._steps), 4 * ROUTING_RECENT_STEPS))[::-1]

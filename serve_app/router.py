@@ -8,8 +8,9 @@ the dicts to every handle, where they appear as `RunningReplica.routing_stats`.
 
 For each request `choose_replicas` ranks the candidates Serve gives it (live replicas only;
 a random `max_candidates` of them in a larger fleet) by predicted completion time
-(controller/routing.py: the replica's load, its measurements and the controller's
-predicted speed under its policy), best first, one replica per rank: Serve sends the request
+(controller/routing.py: the replica's load as its stats measured it, plus the requests
+this router sent there and less those it saw finish there since; its measurements and the
+controller's predicted speed under its policy), best first, one replica per rank: Serve sends the request
 to the first that accepts it (below its max_ongoing_requests). When any ranked candidate's
 stats are missing or stale, or none can predict yet, it falls back to Serve's own
 power-of-two choices for that request (the base class).
@@ -65,9 +66,13 @@ class SpecAwareRouter(PowerOfTwoChoicesRequestRouter):
         self._fixed_step_share = fixed_step_share
         self._tie_tolerance = tie_tolerance
         self._rng = random.Random()
-        # Unix seconds of the requests sent to each replica lately: the stats lag by up to a
-        # period, and without these a burst would all go to the replica that was best then.
+        # Unix seconds of the requests sent to, and finished on, each replica lately: the stats
+        # lag by up to a period; without the sends a burst would all go to the replica that
+        # was best then, and without the finishes a replica would look busy with a request
+        # that has just ended (one client sending its requests one after another would see
+        # every other one sent elsewhere).
         self._sent: dict[ReplicaID, deque[float]] = {}
+        self._finished: dict[ReplicaID, deque[float]] = {}
         self._spec_aware: bool | None = None  # the mode of the last choice, to log changes only
 
     # ------------------------------------------------------------------ routing
@@ -78,10 +83,11 @@ class SpecAwareRouter(PowerOfTwoChoicesRequestRouter):
         now = self._get_curr_time_s()
         candidate_replicas = sample_candidates(candidate_replicas, self._max_candidates, self._rng)
         candidates = [(r.replica_id, RoutingStats.from_routing_stats(r.routing_stats)) for r in candidate_replicas]
-        sent = {rid: sum(1 for t in self._sent.get(rid, ()) if t > s.measured_at)
-                for rid, s in candidates if s is not None}
+        change = {rid: self._count_since(self._sent, rid, s.measured_at)
+                  - self._count_since(self._finished, rid, s.measured_at)
+                  for rid, s in candidates if s is not None}
         ranked = rank_replicas(candidates, now, self._max_stats_age_s,
-                               output_tokens=request_output_tokens(pending_request), sent=sent,
+                               output_tokens=request_output_tokens(pending_request), load_change=change,
                                fixed_share=self._fixed_step_share, tie_tolerance=self._tie_tolerance, rng=self._rng)
         if ranked is None:
             return None
@@ -106,15 +112,29 @@ class SpecAwareRouter(PowerOfTwoChoicesRequestRouter):
                         else "power of two choices (replica routing stats missing or stale)")
             self._spec_aware = spec_aware
 
+    @staticmethod
+    def _count_since(times: dict[ReplicaID, deque[float]], replica_id: ReplicaID, since: float) -> int:
+        return sum(1 for t in times.get(replica_id, ()) if t > since)
+
+    def _record(self, times: dict[ReplicaID, deque[float]], replica_id: ReplicaID) -> None:
+        now = self._get_curr_time_s()
+        recent = times.setdefault(replica_id, deque())
+        recent.append(now)
+        while recent and recent[0] < now - self._max_stats_age_s:  # older ones precede any fresh stats
+            recent.popleft()
+
     # ------------------------------------------------------------------ Serve's callbacks
     def on_send_request(self, replica_id: ReplicaID) -> None:
         super().on_send_request(replica_id)
-        now = self._get_curr_time_s()
-        sent = self._sent.setdefault(replica_id, deque())
-        sent.append(now)
-        while sent and sent[0] < now - self._max_stats_age_s:  # older ones precede any fresh stats
-            sent.popleft()
+        self._record(self._sent, replica_id)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        """Serve calls this once per request sent (finished, failed, cancelled or refused by
+        the replica, whose send was counted too)."""
+        super().on_request_completed(replica_id, internal_request_id)
+        self._record(self._finished, replica_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._sent.pop(replica_id, None)
+        self._finished.pop(replica_id, None)

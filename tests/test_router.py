@@ -114,6 +114,22 @@ def test_requests_sent_since_the_stats_steer_the_next_ones():
     assert firsts[0] == "a" and "b" in firsts  # a takes the first, then the load evens out
 
 
+def test_a_request_seen_finishing_since_the_stats_no_longer_counts():
+    """One client sending lone requests one after another: the fast replica's stats, taken
+    while the last request ran there, still show it running; the router saw it finish, so
+    the next request goes to the fast replica again, not to the slow idle one."""
+    fast, slow = FakeReplica("fast", wire(running=1, tokens_per_step=1.8)), FakeReplica("slow", wire())
+
+    async def go():
+        router = make_router()
+        router.update_replicas([fast, slow])
+        (before, *_), *_ = await router.choose_replicas([fast, slow], pending(64))
+        router.on_request_completed(fast.replica_id, "r1")  # what Serve calls when it ends
+        (after, *_), *_ = await router.choose_replicas([fast, slow], pending(64))
+        return before.replica_id.unique_id, after.replica_id.unique_id
+    assert asyncio.run(go()) == ("slow", "fast")
+
+
 def test_a_large_fleet_is_sampled_down_to_max_candidates():
     """At 1,000 replicas the router scores a random 16 per request, not all of them (the cost
     per request stays a few microseconds a replica scored, whatever the fleet's size)."""

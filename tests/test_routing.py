@@ -102,8 +102,23 @@ def test_queue_without_finished_requests_uses_the_request_length():
 
 def test_requests_sent_since_the_stats_count_as_load():
     cands = [("a", stats()), ("b", stats())]
-    assert choose_replica(cands, NOW, 2.0, sent={"a": 3}) == "b"
-    assert choose_replica(cands, NOW, 2.0, sent={"b": 3}) == "a"
+    assert choose_replica(cands, NOW, 2.0, load_change={"a": 3}) == "b"
+    assert choose_replica(cands, NOW, 2.0, load_change={"b": 3}) == "a"
+
+
+def test_requests_finished_since_the_stats_no_longer_count():
+    """A replica whose stats still show the request that just finished there is idle again:
+    with the finish counted it ranks by its speed alone; a negative change never makes a
+    replica look emptier than empty."""
+    fast_busy = stats(running=1, tokens_per_step=1.8)
+    slow_idle = stats(running=0, tokens_per_step=1.0)
+    cands = [("fast", fast_busy), ("slow", slow_idle)]
+    assert predicted_completion_s(fast_busy, 64, NOW, load_change=-1) == pytest.approx(
+        predicted_completion_s(stats(running=0, tokens_per_step=1.8), 64, NOW))
+    assert choose_replica(cands, NOW, 2.0, output_tokens=64) == "slow"  # as the stats show it
+    assert choose_replica(cands, NOW, 2.0, output_tokens=64, load_change={"fast": -1}) == "fast"
+    assert predicted_completion_s(slow_idle, 64, NOW, load_change=-3) == predicted_completion_s(slow_idle, 64, NOW)
+    assert added_delay_s(fast_busy, NOW, load_change=-1) == 0.0
 
 
 def test_ties_are_broken_at_random_among_the_tied():
@@ -240,4 +255,4 @@ def test_the_delay_a_request_adds_to_the_others_counts():
     assert routing_cost_s(a, 64, NOW) == pytest.approx(7.68)
     assert choose_replica([("a", a), ("b", b)], NOW, 2.0, output_tokens=64) == "b"
     # Requests sent since the stats count among the others too.
-    assert added_delay_s(b, NOW, sent=1) > 0.0
+    assert added_delay_s(b, NOW, load_change=1) > 0.0
