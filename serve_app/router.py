@@ -8,12 +8,12 @@ the dicts to every handle, where they appear as `RunningReplica.routing_stats`.
 
 For each request `choose_replicas` ranks the candidates Serve gives it (live replicas only;
 a random `max_candidates` of them in a larger fleet) by predicted completion time
-(controller/routing.py: the replica's load as its stats measured it, plus the requests
-this router sent there and less those it saw finish there since; its measurements and the
-controller's predicted speed under its policy), best first, one replica per rank: Serve sends the request
-to the first that accepts it (below its max_ongoing_requests). When any ranked candidate's
-stats are missing or stale, or none can predict yet, it falls back to Serve's own
-power-of-two choices for that request (the base class).
+(controller/routing.py: the replica's load as its stats measured it, plus the requests this
+router sent there and less those it saw finish there since; its measurements and the
+controller's predicted speed under its policy), best first, one replica per rank: Serve
+sends the request to the first that accepts it (below its max_ongoing_requests). When any
+ranked candidate's stats are missing or stale, or none can predict yet, it falls back to
+Serve's own power-of-two choices for that request (the base class).
 """
 
 from __future__ import annotations
