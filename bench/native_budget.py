@@ -22,7 +22,9 @@ tokens/s (all output tokens / wall time), and each request's TPOT (seconds per o
 after its first). The best per-batch policy is chosen on the first half of the rounds by
 decode tokens/s and scored on the others (held out: the best of several noisy cells favours
 itself). Ratios: auto / best in decode tokens/s (per scoring round), and best / auto mean
-TPOT with a 95% two-stage bootstrap interval (bench/compare.py).
+TPOT with a 95% two-stage bootstrap interval (bench/compare.py). A step profile of `auto`
+and the best static policy says where the time goes: the decode steps grouped by draft nodes
+per sequence, each group's share of the steps and of the time, and its tokens/s.
 
 Goal (issue 16): auto >= 1.2x the best per-batch policy's tokens/s at batch 4 and 16 at equal
 or better TPOT, and never below it at batch 1.
@@ -68,6 +70,9 @@ BUDGETED = "auto"
 GOAL = {1: 1.0, 4: 1.2, 16: 1.2}
 MAX_PROMPT_CHARS = 2500  # code edits carry a whole function; longer prompts are skipped
 MAX_SEQ_LEN = 1024  # cache positions per row: the longest prompt + output + a tree
+# Buckets of a step's draft nodes per decoding sequence (upper bounds, inclusive), for the
+# step profile: where a policy spends its time, and what each kind of step yields.
+NODE_BUCKETS = ((0.0, "0"), (1.0, "<=1"), (2.0, "1-2"), (4.0, "2-4"), (float("inf"), ">4"))
 
 
 def request_set(n: int, seed: int, max_tokens: int, folder: Path, split: str = "test") -> list[dict]:
@@ -85,6 +90,34 @@ def request_set(n: int, seed: int, max_tokens: int, folder: Path, split: str = "
                     "params": SamplingParams(max_tokens=cap, temperature=sampling.temperature, top_p=sampling.top_p,
                                              seed=seed * 1000 + i)})
     return out
+
+
+def steps_by_nodes(steps: list) -> dict[str, list[float]]:
+    """Decode steps (StepRecords without prefill) grouped by draft nodes per decoding sequence
+    (NODE_BUCKETS): label -> [steps, seconds, tokens gained]."""
+    out = {label: [0, 0.0, 0] for _, label in NODE_BUCKETS}
+    for s in steps:
+        per_seq = sum(s.nodes_per_seq) / s.num_decode_reqs
+        label = next(label for top, label in NODE_BUCKETS if per_seq <= top)
+        cell = out[label]
+        cell[0] += 1
+        cell[1] += s.duration_s
+        cell[2] += s.num_decode_reqs + sum(s.accepted_per_seq)
+    return out
+
+
+def step_profile(runs: list[dict]) -> list[dict]:
+    """steps_by_nodes summed over runs: per bucket its share of the steps and of the decode
+    time, and its tokens/s."""
+    total_steps = sum(c[0] for r in runs for c in r["steps_by_nodes"].values())
+    total_s = sum(c[1] for r in runs for c in r["steps_by_nodes"].values())
+    rows = []
+    for _, label in NODE_BUCKETS:
+        steps, seconds, gained = (sum(r["steps_by_nodes"][label][k] for r in runs) for k in range(3))
+        if steps:
+            rows.append({"nodes_per_seq": label, "step_share": steps / total_steps, "time_share": seconds / total_s,
+                         "tokens_per_s": gained / seconds, "ms_per_step": 1e3 * seconds / steps})
+    return rows
 
 
 def run(base: NativeEngine, policy: str, requests: list[dict], batch: int, planner: BudgetPlanner | None = None
@@ -127,6 +160,7 @@ def run(base: NativeEngine, policy: str, requests: list[dict], batch: int, plann
         "mean_batch": statistics.fmean(s.num_decode_reqs for s in decode) if decode else 0.0,
         "mean_nodes_per_seq": statistics.fmean(nodes) if nodes else 0.0,
         "mean_accepted_length": gained / max(1, sum(s.num_decode_reqs for s in decode)),
+        "steps_by_nodes": steps_by_nodes(decode),
         # Per-request budgets only (the estimates, in hindsight): [P bin] -> (offered nodes, on
         # the output's path), and the draft tokens per decoding sequence and step the offers held.
         **({"reliability": engine.budget.reliability.tolist(),
@@ -214,6 +248,7 @@ def summarize(runs: list[dict], batches: tuple[int, ...], policies: list[str], r
             "verdict": verdict(min(ratios), max(ratios), tpot, GOAL.get(batch, 1.0)),
             "greedy_outputs_equal_off": greedy_same,
             "auto_estimates": estimate_reliability(cell[BUDGETED]),
+            "step_profile": {p: step_profile(cell[p]) for p in (BUDGETED, best)},
         })
     return rows
 
@@ -258,6 +293,11 @@ def print_table(summary: list[dict]) -> None:
         print(f"batch {row['batch']}: {BUDGETED} accepted {est['accepted_per_seq']:.2f} draft tokens per sequence "
               f"and step; its offers held {est['offered_accepted_per_seq']:.2f}. Its P(accepted), in hindsight "
               f"(bin: share accepted (nodes)): {bins}")
+    for row in summary:
+        for policy, buckets in row["step_profile"].items():
+            cells = "  ".join(f"{b['nodes_per_seq']}: {b['step_share']:.0%} of steps, {b['time_share']:.0%} of time, "
+                              f"{b['ms_per_step']:.0f} ms, {b['tokens_per_s']:.0f} tok/s" for b in buckets)
+            print(f"batch {row['batch']} {policy} steps by draft nodes per sequence: {cells}")
 
 
 def plot(runs: list[dict], summary: list[dict], out: Path) -> None:

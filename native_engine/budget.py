@@ -7,12 +7,16 @@ A step under `auto` or `budgetN` (adaspec.policy) works in three moves:
    estimates P(child accepted | parent accepted) (`BudgetPlanner.node_probabilities`);
 3. select: all nodes of the batch sorted by p; the first B are verified, B chosen to
    maximise predicted tokens per second (`best_budget`):
-       (n + sum of the first B p's) / t(n sequences, n + B tokens)
+       (n + sum of the first B p's) / t(n sequences, n + B tokens, longest tree)
    where each of the n sequences gains its bonus token and t is the engine's own step-cost
-   fit (`StepCost`). B = 0 is a valid answer; `budgetN` caps B at N.
+   fit (`StepCost`). B = 0 is a valid answer; `budgetN` caps B at N. Attention runs over
+   every row padded to the longest tree, so nodes per row are a cost of their own: the best
+   set is not always a prefix of the batch's order (a greedy copy's deep chain ranks above
+   every other row's first node, and makes all rows long). `best_selection` also tries the
+   order cut to each sequence's k most likely nodes, for every k, and keeps the best (k, B).
 Each edge estimate is below 1 (MAX_EDGE), so a node's p is below its parent's and any prefix
-of the order holds every kept node's ancestors: each sequence's kept nodes form a rooted
-subtree, verified with the others in the engine's one pass.
+of the order (cut per sequence or not) holds every kept node's ancestors: each sequence's
+kept nodes form a rooted subtree, verified with the others in the engine's one pass.
 
 Edge estimates (calibrated drafter confidence x the sequence's own record):
 - the drafter's confidence in an edge: the share of the parent's matched occurrences that
@@ -47,6 +51,7 @@ Nodes deeper than the sequence's remaining tokens - 1 are worth nothing (p = 0).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -130,6 +135,9 @@ class Calibration:
 
 COST_KNOTS = (8, 32, 128)  # tokens per step where the marginal cost of a token may change
 NEAR_BEST = 0.03  # a budget this close to the best predicted rate counts as a tie
+# The caps on nodes per sequence best_selection tries (besides no cap): every small one, then
+# a few larger, so a 64-node offer costs about a dozen evaluations, not 64.
+PER_SEQUENCE_CAPS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
 
 
 @dataclass
@@ -193,21 +201,42 @@ def best_budget(sorted_p: list[float], seqs: int, step_seconds: np.ndarray) -> i
     return int(np.argmax(rate >= (1.0 - NEAR_BEST) * rate.max()))
 
 
+def best_selection(ranked: list[tuple[float, int, int]], seqs: int,
+                   step_seconds: Callable[[np.ndarray], np.ndarray], max_nodes: int | None = None
+                   ) -> list[tuple[float, int, int]]:
+    """The nodes of `ranked` (ranked_nodes of `seqs` sequences) to verify: for each k, the order
+    cut to each sequence's k most likely nodes, of which `best_budget` keeps the first B; the
+    (k, B) of the best predicted tokens per second, a larger k only where it beats the smaller
+    ones by more than NEAR_BEST (long rows cost every row). At most `max_nodes` nodes.
+    `step_seconds(longest)`: `StepCost.step_seconds` for prefixes whose longest tree holds
+    longest[B] nodes. What it changed is measured in docs/benchmarks.md (per-sequence caps)."""
+    if not ranked:
+        return []
+    p = np.array([r[0] for r in ranked])
+    before = np.zeros(len(ranked), dtype=int)  # nodes of the same sequence ranked above each
+    seen = [0] * seqs
+    for j, (_, s, _) in enumerate(ranked):
+        before[j] = seen[s]
+        seen[s] += 1
+    most = max(seen)
+    caps = [most] if seqs == 1 else sorted({k for k in PER_SEQUENCE_CAPS if k < most} | {most})
+    best_rate, best = -1.0, np.zeros(0, dtype=int)
+    for k in caps:
+        idx = np.flatnonzero(before < k)[:max_nodes]
+        longest = np.concatenate([[0.0], np.maximum.accumulate(before[idx] + 1.0)])
+        seconds = step_seconds(longest)
+        budget = best_budget(p[idx], seqs, seconds)
+        rate = (seqs + p[idx[:budget]].sum()) / max(float(seconds[budget]), 1e-9)
+        if rate > best_rate * (1.0 + NEAR_BEST):
+            best_rate, best = rate, idx[:budget]
+    return [ranked[j] for j in best]
+
+
 def ranked_nodes(probs: list[list[float]]) -> list[tuple[float, int, int]]:
     """(p, sequence, node) of every node with p > MIN_P, most likely first (ties: earlier
     sequence, then earlier node)."""
     return sorted(((p, s, i) for s, ps in enumerate(probs) for i, p in enumerate(ps) if p > MIN_P),
                   key=lambda t: (-t[0], t[1], t[2]))
-
-
-def longest_tree(ranked: list[tuple[float, int, int]], seqs: int) -> np.ndarray:
-    """[B] the most nodes any one sequence holds when the first B of `ranked` are kept."""
-    counts, out, most = [0] * seqs, [0], 0
-    for _, s, _ in ranked:
-        counts[s] += 1
-        most = max(most, counts[s])
-        out.append(most)
-    return np.array(out, dtype=float)
 
 
 def select_nodes(probs: list[list[float]], budget: int) -> list[list[int]]:
@@ -312,20 +341,18 @@ class BudgetPlanner:
         estimates = [self.node_probabilities(r, t, bias) for r, t in zip(decode, offers)]
         probs = [e[0] for e in estimates]
         ranked = ranked_nodes(probs)
-        sorted_p = [p for p, _, _ in ranked]
-        cap = len(sorted_p) if max_nodes is None else min(max_nodes, len(sorted_p))
         n = len(decode)
-        longest = longest_tree(ranked[:cap], n)
-        budget = best_budget(sorted_p, n, self.cost.step_seconds(n, context_tokens, longest))
+        chosen = best_selection(ranked, n, lambda longest: self.cost.step_seconds(n, context_tokens, longest),
+                                max_nodes)
         if self.steps % EXPLORE_EVERY == 0:
-            budget = min(cap, 2 * budget + n)
-        kept = by_sequence(ranked[:budget], n)
-        trees = [subtree(t, k) for t, k in zip(offers, kept)]
+            cap = len(ranked) if max_nodes is None else min(max_nodes, len(ranked))
+            chosen = ranked[: min(cap, 2 * len(chosen) + n)]
+        trees = [subtree(t, k) for t, k in zip(offers, by_sequence(chosen, n))]
         for req, offer, (probs, edges, cells) in zip(decode, offers, estimates):
             if len(offer):
                 req.offers.append(Offer(len(req.output), offer, edges, cells, probs))
         # Before the bias correction: the correction is measured against the raw estimates.
-        return trees, BudgetPlan(budget=budget, predicted=sum(sorted_p[:budget]) / bias)
+        return trees, BudgetPlan(budget=len(chosen), predicted=sum(p for p, _, _ in chosen) / bias)
 
     def observe(self, decode: list[Request], trees: list[DraftTree], results: list[Acceptance],
                 plan: BudgetPlan) -> None:

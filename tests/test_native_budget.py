@@ -15,7 +15,7 @@ import torch
 
 from adaspec.policy import SpecPolicy
 from native_engine.budget import (
-    MAX_EDGE, MIN_P, BudgetPlanner, StepCost, best_budget, edge_confidences, hindsight, select_nodes,
+    MAX_EDGE, MIN_P, BudgetPlanner, StepCost, best_budget, best_selection, edge_confidences, hindsight, select_nodes,
 )
 from native_engine.drafters import NgramDrafter
 from native_engine.engine import EngineConfig, NativeEngine
@@ -46,6 +46,33 @@ def test_best_budget_keeps_nodes_only_while_they_pay():
     # free below the knee (p = 0.3), and none past it.
     flat_then_steep = np.array([0.05] * 9 + [0.05 + 0.01 * i for i in range(1, 8)])
     assert best_budget([0.5] * 4 + [0.3] * 12, 1, flat_then_steep) == 8
+
+
+def test_best_selection_cuts_rows_when_the_longest_tree_costs_every_row():
+    """A greedy copy's deep chain ranks above every other row's first node; with padded
+    attention (each node of the longest tree costs every row) the best set is each row's first
+    node, not a prefix of the batch's order. Without that cost it is the prefix best_budget
+    picks."""
+    chain = [0.9, 0.85, 0.8, 0.75, 0.7, 0.65]
+    ranked = [(p, 0, i) for i, p in enumerate(chain)] + [(0.6, s, 0) for s in (1, 2, 3)]
+
+    def padded(longest):  # 40 ms, 1 ms per node, 8 ms per node of the longest tree
+        return 0.040 + 0.001 * np.arange(len(longest)) + 0.008 * longest
+
+    chosen = best_selection(ranked, 4, padded)
+    assert chosen == [(0.9, 0, 0), (0.6, 1, 0), (0.6, 2, 0), (0.6, 3, 0)]
+    prefix = [p for p, _, _ in ranked]
+    longest = np.array([0, 1, 2, 3, 4, 5, 6, 6, 6, 6], dtype=float)
+    b = best_budget(prefix, 4, padded(longest))
+    assert (4 + sum(prefix[:b])) / padded(longest)[b] < (4 + 0.9 + 1.8) / padded(np.array([0, 1, 1, 1, 1.0]))[4]
+
+    def flat(longest):
+        return 0.040 + 0.001 * np.arange(len(longest))
+    assert best_selection(ranked, 4, flat) == ranked[: best_budget(prefix, 4, flat(longest))]
+    assert len(best_selection(ranked, 4, flat, max_nodes=3)) <= 3
+    assert best_selection([], 4, flat) == []
+    # One sequence: no cut to try, the prefix as best_budget picks it.
+    assert best_selection(ranked[:6], 1, flat) == ranked[: best_budget(chain, 1, flat(np.arange(7.0)))]
 
 
 def test_select_nodes_takes_the_batch_best_and_respects_the_budget():
@@ -293,3 +320,24 @@ def test_uneven_trees_in_one_pass_match_recomputation(target):
                    attention_mask(causal_mask(torch.tensor([n]), n)[:, 0], torch.tensor([0]), n), cache, 0, pos, n)
         assert torch.allclose(engine.cache.k[:, req.row, :, :n], cache.k[:, 0, :, :n], atol=1e-5)
         assert torch.allclose(engine.cache.v[:, req.row, :, :n], cache.v[:, 0, :, :n], atol=1e-5)
+
+
+def test_the_benchmarks_step_profile_groups_steps_by_nodes_per_sequence():
+    """bench.native_budget's step profile: a step lands in the bucket of its draft nodes per
+    decoding sequence, and each bucket's time share and tokens/s come from its own steps."""
+    from types import SimpleNamespace
+
+    from bench.native_budget import step_profile, steps_by_nodes
+
+    def step(nodes, accepted, seconds):
+        return SimpleNamespace(num_decode_reqs=len(nodes), nodes_per_seq=nodes, accepted_per_seq=accepted,
+                               duration_s=seconds)
+    steps = [step([0, 0], [0, 0], 0.1), step([2, 0], [1, 0], 0.2), step([4, 4], [4, 1], 0.3),
+             step([9, 0], [3, 0], 0.4)]
+    by = steps_by_nodes(steps)
+    assert by["0"] == [1, pytest.approx(0.1), 2] and by["<=1"] == [1, pytest.approx(0.2), 3]
+    assert by["2-4"] == [1, pytest.approx(0.3), 7] and by[">4"] == [1, pytest.approx(0.4), 5] and by["1-2"][0] == 0
+    profile = {b["nodes_per_seq"]: b for b in step_profile([{"steps_by_nodes": by}, {"steps_by_nodes": by}])}
+    assert set(profile) == {"0", "<=1", "2-4", ">4"}  # empty buckets left out
+    assert profile["2-4"]["tokens_per_s"] == pytest.approx(7 / 0.3) and profile["0"]["step_share"] == 0.25
+    assert profile[">4"]["time_share"] == pytest.approx(0.4) and profile["<=1"]["ms_per_step"] == pytest.approx(200)

@@ -69,8 +69,9 @@ COMPANION = [4, 5, 6, 4, 5, 6, 4, 5]
 def fixed_budget(monkeypatch):
     """Every budgeted step keeps the batch's 2 x sequences most likely nodes (capped by
     `budgetN` and the offers), whatever the step-cost fit says: deterministic for a seed."""
-    monkeypatch.setattr(budget_module, "best_budget",
-                        lambda sorted_p, seqs, step_seconds: min(len(step_seconds) - 1, 2 * seqs))
+    monkeypatch.setattr(budget_module, "best_selection",
+                        lambda ranked, seqs, step_seconds, max_nodes=None: ranked[: min(
+                            len(ranked) if max_nodes is None else max_nodes, 2 * seqs)])
 
 
 def _sample(engine: NativeEngine, temperature: float, top_p: float, companions: bool = False) -> np.ndarray:
