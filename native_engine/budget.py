@@ -13,7 +13,8 @@ A step under `auto` or `budgetN` (adaspec.policy) works in three moves:
    every row padded to the longest tree, so nodes per row are a cost of their own: the best
    set is not always a prefix of the batch's order (a greedy copy's deep chain ranks above
    every other row's first node, and makes all rows long). `best_selection` also tries the
-   order cut to each sequence's k most likely nodes, for every k, and keeps the best (k, B).
+   order cut to each sequence's k most likely nodes (k = 1, 2, 3, 4, 6, 8, ...), and keeps
+   the best (k, B).
 Each edge estimate is below 1 (MAX_EDGE), so a node's p is below its parent's and any prefix
 of the order (cut per sequence or not) holds every kept node's ancestors: each sequence's
 kept nodes form a rooted subtree, verified with the others in the engine's one pass.
