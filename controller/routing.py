@@ -36,7 +36,8 @@ The model of a new request of `output_tokens` tokens on a replica (all times in 
                                                batch takes to free that many slots: a slot frees
                                                every L * tpot / max_batch seconds (L: mean output
                                                tokens of recent requests), less the time since
-                                               the stats were measured
+                                               the stats were measured beyond one slot per
+                                               finish the router saw (those are off n already)
     predicted = queue + decode
     added  = m * (L / 2) * (tpot(m + 1) - tpot(m)),  m = n - 1 < max_batch (else 0)
                                                the time the request adds to the m requests
@@ -114,13 +115,14 @@ def tpot_curve(stats: RoutingStats, fixed_share: float = FIXED_STEP_SHARE) -> Ca
 
 
 def predicted_completion_s(stats: RoutingStats, output_tokens: int, now: float, *, load_change: int = 0,
-                           fixed_share: float = FIXED_STEP_SHARE,
+                           finished: int = 0, fixed_share: float = FIXED_STEP_SHARE,
                            tpot: Callable[[float], float] | None = None) -> float:
     """Predicted seconds until a new request of `output_tokens` tokens, sent now (unix s),
     finishes on the replica (the module docstring's model). `load_change`: requests the router
     sent there after `stats.measured_at` less those it saw finish there since, which the stats
-    do not show yet (requests; negative when more finished). `tpot`: the replica's
-    `tpot_curve`, if the caller has it."""
+    do not show yet (requests; negative when more finished); `finished`: those it saw finish
+    (already in `load_change`: a queue's drain since then is only what they do not cover).
+    `tpot`: the replica's `tpot_curve`, if the caller has it."""
     tpot = tpot or tpot_curve(stats, fixed_share)
     max_batch = stats.max_batch_size
     output_tokens = max(output_tokens, 1)
@@ -130,8 +132,10 @@ def predicted_completion_s(stats: RoutingStats, output_tokens: int, now: float, 
     if n > max_batch:
         mean_output = stats.mean_output_tokens or output_tokens
         slot_s = mean_output * tpot(max_batch) / max_batch
-        # The queue kept draining since the stats were measured.
-        queue = max((n - max_batch) * slot_s - max(now - stats.measured_at, 0.0), 0.0)
+        # The queue kept draining since the stats were measured: by the finishes the router saw
+        # (already off n), and by those it did not, one per slot time beyond them.
+        unseen_drain = max(now - stats.measured_at - finished * slot_s, 0.0)
+        queue = max((n - max_batch) * slot_s - unseen_drain, 0.0)
     return queue + decode
 
 
@@ -151,12 +155,12 @@ def added_delay_s(stats: RoutingStats, now: float, *, load_change: int = 0, fixe
 
 
 def routing_cost_s(stats: RoutingStats, output_tokens: int, now: float, *, load_change: int = 0,
-                   fixed_share: float = FIXED_STEP_SHARE) -> float:
+                   finished: int = 0, fixed_share: float = FIXED_STEP_SHARE) -> float:
     """What sending a request of `output_tokens` tokens to the replica costs, in seconds of
     latency summed over requests: its own predicted completion time plus the time it adds
     to the others there (the module docstring's `cost`)."""
     tpot = tpot_curve(stats, fixed_share)
-    return (predicted_completion_s(stats, output_tokens, now, load_change=load_change, tpot=tpot)
+    return (predicted_completion_s(stats, output_tokens, now, load_change=load_change, finished=finished, tpot=tpot)
             + added_delay_s(stats, now, load_change=load_change, tpot=tpot))
 
 
@@ -190,14 +194,15 @@ def sample_candidates(candidates: Sequence[T], max_candidates: int | None, rng: 
 
 def rank_replicas(candidates: Sequence[tuple[ReplicaId, RoutingStats | None]], now: float, max_stats_age_s: float,
                   *, output_tokens: int = DEFAULT_OUTPUT_TOKENS, load_change: Mapping[ReplicaId, int] | None = None,
+                  finished: Mapping[ReplicaId, int] | None = None,
                   fixed_share: float = FIXED_STEP_SHARE, tie_tolerance: float = TIE_TOLERANCE,
                   rng: random.Random | None = None) -> list[ReplicaId] | None:
     """The candidates best first by the routing cost of a request of `output_tokens` (its
     predicted completion time plus what it adds to the others there), or None when any
     candidate's stats are missing or older than `max_stats_age_s` (seconds before `now`, unix
     s), or none can predict yet: then the caller routes without them. The replicas within
-    `tie_tolerance` of the best come first in random order. `load_change`: per replica, as in
-    predicted_completion_s."""
+    `tie_tolerance` of the best come first in random order. `load_change`, `finished`: per
+    replica, as in predicted_completion_s."""
     if not candidates:
         return None
     stats = [s for _, s in candidates]
@@ -206,9 +211,10 @@ def rank_replicas(candidates: Sequence[tuple[ReplicaId, RoutingStats | None]], n
     filled = _fill_unmeasured(stats, fixed_share)  # type: ignore[arg-type]  # no None left
     if filled is None:
         return None
-    load_change = load_change or {}
+    load_change, finished = load_change or {}, finished or {}
     scored = sorted(
-        (routing_cost_s(s, output_tokens, now, load_change=load_change.get(rid, 0), fixed_share=fixed_share), i)
+        (routing_cost_s(s, output_tokens, now, load_change=load_change.get(rid, 0), finished=finished.get(rid, 0),
+                        fixed_share=fixed_share), i)
         for i, ((rid, _), s) in enumerate(zip(candidates, filled)))
     best = scored[0][0]
     ties = [i for pred, i in scored if pred <= best * (1.0 + tie_tolerance)]

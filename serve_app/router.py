@@ -83,11 +83,12 @@ class SpecAwareRouter(PowerOfTwoChoicesRequestRouter):
         now = self._get_curr_time_s()
         candidate_replicas = sample_candidates(candidate_replicas, self._max_candidates, self._rng)
         candidates = [(r.replica_id, RoutingStats.from_routing_stats(r.routing_stats)) for r in candidate_replicas]
-        change = {rid: self._count_since(self._sent, rid, s.measured_at)
-                  - self._count_since(self._finished, rid, s.measured_at)
+        finished = {rid: self._count_since(self._finished, rid, s.measured_at) for rid, s in candidates if s is not None}
+        change = {rid: self._count_since(self._sent, rid, s.measured_at) - finished[rid]
                   for rid, s in candidates if s is not None}
         ranked = rank_replicas(candidates, now, self._max_stats_age_s,
                                output_tokens=request_output_tokens(pending_request), load_change=change,
+                               finished=finished,
                                fixed_share=self._fixed_step_share, tie_tolerance=self._tie_tolerance, rng=self._rng)
         if ranked is None:
             return None

@@ -121,6 +121,19 @@ def test_requests_finished_since_the_stats_no_longer_count():
     assert added_delay_s(fast_busy, NOW, load_change=-1) == 0.0
 
 
+def test_a_queue_drains_once_whether_the_router_saw_the_finishes_or_not():
+    """A full replica with a queue, stats 0.5 s old, a slot freeing every 0.32 s: the router
+    that saw one request finish there since takes it off the load, and only the drain beyond
+    that one slot off the wait, so it predicts what a router that saw nothing does."""
+    full = stats(running=8, waiting=4, step_s=0.1, step_batch=8.0, mean_output=32, age_s=0.5)
+    slot_s = 32 * 0.1 / 8
+    blind = predicted_completion_s(full, 64, NOW)
+    seen = predicted_completion_s(full, 64, NOW, load_change=-1, finished=1)
+    assert slot_s == pytest.approx(0.4) and seen == pytest.approx(blind)
+    # Counting the drain twice would have taken another 0.4 s off.
+    assert predicted_completion_s(full, 64, NOW, load_change=-1) == pytest.approx(blind - slot_s)
+
+
 def test_ties_are_broken_at_random_among_the_tied():
     cands = [("a", stats()), ("b", stats()), ("loaded", stats(running=5))]
     firsts = {choose_replica(cands, NOW, 2.0, rng=random.Random(seed)) for seed in range(40)}
