@@ -457,8 +457,18 @@ class Transformer(nn.Module):
         23.3-24 (docs/native-engine.md).
 
         Eager decoding pays a dispatch for each of some 180 aten calls per layer (most of them
-        views); compiled, the elementwise ones run as a few fused C++ loops (docs/native-engine.md, "Compiled decode")."""
+        views); compiled, the elementwise ones run as a few fused C++ loops (docs/native-engine.md, "Compiled decode").
+
+        The matmuls: left to itself, inductor prepacks a float32 weight for MKL's packed sgemm
+        in a graph of a fixed row count (the batch-1 one) and for oneDNN's matmul where the rows
+        are symbolic. Where the measured route (`linear_choice`) put one-token passes on
+        oneDNN's prepacked matmul, the graphs call that instead (`compiled_matmul_path`): on
+        an AMD EPYC (Zen 2) MKL streamed the weights 10-50% slower at one row, and the batch-1
+        step was 1.08-1.23x faster on oneDNN (docs/native-engine.md)."""
         start = time.perf_counter()
+        for m in self.modules():
+            if isinstance(m, CpuLinear):
+                m.graph_path = compiled_matmul_path(m, autotune)
         # Dynamo keeps its graphs per code object, and with the module guards skipped (they would
         # be checked on every call) it would hand this model a graph compiled for another model
         # of the same shapes in the process, with that model's frozen weights: each model
@@ -546,6 +556,9 @@ class CpuLinear(nn.Module):
                 w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 16)
         self.route: tuple[str, ...] = ("gemv", "gemv", "packed")  # until measured: gemv at one row
+        # What a compiled pass calls (Transformer.compile_decode): "packed", oneDNN's matmul on
+        # the prepacked weight, or "inductor", the weight left for inductor to lay out itself.
+        self.graph_path = "inductor"
 
     @property
     def weight(self) -> torch.Tensor:
@@ -562,12 +575,13 @@ class CpuLinear(nn.Module):
         self.route = route
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Compiled (Transformer.compile_decode), the weight is a frozen constant that inductor
-        # prepacks itself. is_compiling() comes first: choosing a path by the rows of a
-        # symbolic batch size would put a guard on it, and a wider batch would recompile
-        # mid-serving.
+        # Compiled (Transformer.compile_decode), the path is fixed per graph: is_compiling()
+        # comes first, as choosing a path by the rows of a symbolic batch size would put a guard
+        # on it, and a wider batch would recompile mid-serving.
         if torch.compiler.is_compiling():
-            return self._gemv(x)
+            if self.graph_path == "packed":
+                return self._packed(x, x.numel() // x.shape[-1])
+            return self._gemv(x)  # a frozen constant that inductor prepacks itself
         rows = x.numel() // x.shape[-1]
         path = self.route[min(rows, len(self.route) - 1)]
         if path == "packed" and self.packed is not None:
@@ -586,6 +600,15 @@ class CpuLinear(nn.Module):
     def _packed(self, x: torch.Tensor, rows: int) -> torch.Tensor:
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), self.packed, self.bias, "none", [], "")
         return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def compiled_matmul_path(linear: CpuLinear, autotune: bool) -> str:
+    """What `linear` calls in a compiled pass: "packed" (oneDNN's matmul on the prepacked
+    weight) where the measured route sends one-token passes there, else "inductor" (inductor
+    lays the frozen weight out itself). Only float32 changes: for bfloat16 inductor picks
+    oneDNN anyway, and with `autotune` it times its own kernels against the library's."""
+    one_token = linear.route[1] == "packed" and linear.packed is not None
+    return "packed" if one_token and linear.weight_t.dtype == torch.float32 and not autotune else "inductor"
 
 
 def causal_mask(lengths: torch.Tensor, T: int) -> torch.Tensor:

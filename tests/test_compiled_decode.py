@@ -16,7 +16,7 @@ import torch
 from adaspec.policy import SpecPolicy
 from native_engine.drafters import NgramDrafter
 from native_engine.engine import EngineConfig, NativeEngine
-from native_engine.model import CpuLinear, build_model
+from native_engine.model import CpuLinear, build_model, compiled_matmul_path
 from native_engine.requests import SamplingParams
 from native_engine.testing import reference_greedy, tiny_args
 
@@ -126,12 +126,70 @@ def test_autotuned_compile_uses_inductors_gemm_kernels_and_gives_the_eager_greed
         assert out == reference_greedy(eager_model, prompt, 24)
 
 
-def test_a_second_model_in_the_process_runs_its_own_weights(compiled):
+@pytest.fixture(scope="module")
+def compiled_on_onednn(compiled):
+    """A second model (other weights, the same shapes) compiled after `compiled`, its measured
+    route putting every pass on oneDNN's prepacked matmul (as on the AMD EPYC it does)."""
+    model = build_model(tiny_args(vocab_size=64), seed=7, init_std=0.15).prepare_for_serving()
+    for m in model.modules():
+        if isinstance(m, CpuLinear):
+            m.use(("packed", "packed"))
+    engine = NativeEngine(model, None, EngineConfig(max_batch_size=2, max_seq_len=160))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the tests run: another thread count would recompile, unfrozen
+    engine.compile_decode()
+    torch.set_num_threads(threads)
+    return engine
+
+
+def test_a_second_model_in_the_process_runs_its_own_weights(compiled_on_onednn):
     """Dynamo keeps graphs per code object and the module guards are skipped: without a code
     object per model, this model (other weights, same shapes) would run the first one's graph."""
     other = build_model(tiny_args(vocab_size=64), seed=7, init_std=0.15)
-    engine = NativeEngine(build_model(tiny_args(vocab_size=64), seed=7, init_std=0.15).prepare_for_serving(),
-                          None, EngineConfig(max_batch_size=2, max_seq_len=160))
-    engine.compile_decode()
     prompt = _prompts()[0]
-    assert engine.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))[0] == reference_greedy(other, prompt, 16)
+    out = compiled_on_onednn.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))[0]
+    assert out == reference_greedy(other, prompt, 16)
+
+
+def _matmul_ops_of_one_compiled_step(engine: NativeEngine) -> set[str]:
+    """The matmul ops a batch-1 decode step runs (the compiled one-row graph; the lm_head is
+    eager and takes its own route)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.add_request("profiled", _prompts()[1], SamplingParams(max_tokens=6, ignore_eos=True))
+    for _ in range(3):  # prefill, then decode steps
+        engine.step()
+    calls = []
+    run_compiled = engine.model.compiled_decode
+    engine.model.compiled_decode = lambda *a: (calls.append(1), run_compiled(*a))[1]
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            engine.step()
+    finally:
+        engine.model.compiled_decode = run_compiled
+    while engine.has_unfinished():
+        engine.step()
+    assert calls, "the step did not run the compiled graph"
+    return {e.key for e in prof.key_averages() if e.key in ("mkldnn::_linear_pointwise", "mkl::_mkl_linear")}
+
+
+def test_the_compiled_graph_calls_the_matmul_the_measured_route_chose(compiled, compiled_on_onednn):
+    """Where one-token passes were measured fastest on oneDNN's prepacked matmul, the batch-1
+    graph calls it; elsewhere inductor packs the weights itself (MKL's packed sgemm at a fixed
+    row count, where torch has MKL)."""
+    assert _matmul_ops_of_one_compiled_step(compiled_on_onednn) == {"mkldnn::_linear_pointwise"}
+    engine, _ = compiled
+    engine.apply_policy(SpecPolicy.parse("off", version=engine.policy.version + 1))  # one-token passes
+    if torch._C.has_mkl:
+        assert "mkl::_mkl_linear" in _matmul_ops_of_one_compiled_step(engine)
+
+
+def test_compiled_matmul_path_follows_the_one_token_route_in_float32_only():
+    linear = CpuLinear(torch.nn.Linear(16, 8, bias=False))
+    if linear.packed is None:
+        pytest.skip("no oneDNN in this torch build")
+    linear.use(("packed", "packed"))
+    assert compiled_matmul_path(linear, autotune=False) == "packed"
+    assert compiled_matmul_path(linear, autotune=True) == "inductor"  # inductor times its own kernels
+    linear.use(("gemv", "gemv", "packed"))  # wider passes packed, one token not
+    assert compiled_matmul_path(linear, autotune=False) == "inductor"
