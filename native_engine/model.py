@@ -462,9 +462,9 @@ class Transformer(nn.Module):
         The matmuls: left to itself, inductor prepacks a float32 weight for MKL's packed sgemm
         in a graph of a fixed row count (the batch-1 one) and for oneDNN's matmul where the rows
         are symbolic. Where the measured route (`linear_choice`) put one-token passes on
-        oneDNN's prepacked matmul, the graphs call that instead (`compiled_matmul_path`): on
-        an AMD EPYC (Zen 2) MKL streamed the weights 10-50% slower at one row, and the batch-1
-        step was 1.08-1.23x faster on oneDNN (docs/native-engine.md)."""
+        oneDNN's prepacked matmul, the fixed-row graph calls that instead
+        (`compiled_matmul_path`): on an AMD EPYC (Zen 2) MKL streamed the weights 10-50% slower
+        at one row, and the batch-1 step was 1.10-1.15x faster on oneDNN (docs/native-engine.md)."""
         start = time.perf_counter()
         for m in self.modules():
             if isinstance(m, CpuLinear):
@@ -579,8 +579,10 @@ class CpuLinear(nn.Module):
         # comes first, as choosing a path by the rows of a symbolic batch size would put a guard
         # on it, and a wider batch would recompile mid-serving.
         if torch.compiler.is_compiling():
-            if self.graph_path == "packed":
-                return self._packed(x, x.numel() // x.shape[-1])
+            rows = x.numel() // x.shape[-1]
+            # Only a graph of fixed rows: where they are symbolic inductor takes oneDNN itself.
+            if self.graph_path == "packed" and isinstance(rows, int):
+                return self._packed(x, rows)
             return self._gemv(x)  # a frozen constant that inductor prepacks itself
         rows = x.numel() // x.shape[-1]
         path = self.route[min(rows, len(self.route) - 1)]
@@ -603,10 +605,10 @@ class CpuLinear(nn.Module):
 
 
 def compiled_matmul_path(linear: CpuLinear, autotune: bool) -> str:
-    """What `linear` calls in a compiled pass: "packed" (oneDNN's matmul on the prepacked
-    weight) where the measured route sends one-token passes there, else "inductor" (inductor
-    lays the frozen weight out itself). Only float32 changes: for bfloat16 inductor picks
-    oneDNN anyway, and with `autotune` it times its own kernels against the library's."""
+    """What `linear` calls in a compiled pass of fixed rows: "packed" (oneDNN's matmul on the
+    prepacked weight) where the measured route sends one-token passes there, else "inductor"
+    (inductor lays the frozen weight out itself). Only float32 changes: for bfloat16 inductor
+    picks oneDNN anyway, and with `autotune` it times its own kernels against the library's."""
     one_token = linear.route[1] == "packed" and linear.packed is not None
     return "packed" if one_token and linear.weight_t.dtype == torch.float32 and not autotune else "inductor"
 
