@@ -464,7 +464,7 @@ class Transformer(nn.Module):
         are symbolic. Where the measured route (`linear_choice`) put one-token passes on
         oneDNN's prepacked matmul, the fixed-row graph calls that instead
         (`compiled_matmul_path`): on an AMD EPYC (Zen 2) MKL streamed the weights 10-50% slower
-        at one row, and the batch-1 step was 1.10-1.15x faster on oneDNN (docs/native-engine.md)."""
+        at one row, and the batch-1 step was 1.18-1.23x faster on oneDNN (docs/native-engine.md)."""
         start = time.perf_counter()
         for m in self.modules():
             if isinstance(m, CpuLinear):
