@@ -22,7 +22,9 @@ inconclusive against issue 19's goal of 1.6x.
 `--compile-decode` adds an engine per dtype whose one-token pass is compiled
 (NativeEngine.compile_decode; about a minute each), profiled the same way (the inductor
 graph's fused kernels count as "other ops") and timed in the same interleaved rounds: compiled
-against eager per dtype, and bfloat16 against float32 compiled too.
+against eager per dtype, and bfloat16 against float32 compiled too. Compiled engines run
+inductor's C++ wrapper, which calls the graph's matmuls unseen by the profiler: their
+"matmul" is the eager lm_head only, the graph's matmuls count as "other ops".
 
 Prints a table, writes {out}/step_profile.json and step_profile.png (step_profile_compiled.*
 with --compile-decode). Not a test; about two minutes on an idle machine (six with
@@ -71,11 +73,12 @@ def load(dtype: torch.dtype) -> NativeEngine:
                                         config=EngineConfig(max_batch_size=1, max_seq_len=1024))
 
 
-def step_times(engine: NativeEngine, steps: int, request_id: str) -> list[float]:
-    """Seconds per decode step of `steps` steps of a fresh request (after prefill and warm-up);
-    the request is left running for whoever steps next."""
-    engine.add_request(request_id, PROMPT, SamplingParams(max_tokens=2 * steps + 20, temperature=0.0,
-                                                          ignore_eos=True))
+def step_times(engine: NativeEngine, steps: int, request_id: str, batch: int = 1) -> list[float]:
+    """Seconds per decode step of `steps` steps of `batch` fresh requests of PROMPT (after
+    prefill and warm-up); the requests are left running for whoever steps next."""
+    for i in range(batch):
+        engine.add_request(request_id if batch == 1 else f"{request_id}-{i}", PROMPT,
+                           SamplingParams(max_tokens=2 * steps + 20, temperature=0.0, ignore_eos=True))
     for _ in range(5):  # prefill and warm-up
         engine.step()
     times = []
@@ -89,6 +92,13 @@ def step_times(engine: NativeEngine, steps: int, request_id: str) -> list[float]
 def finish(engine: NativeEngine) -> None:
     while engine.has_unfinished():
         engine.step()
+
+
+def median_step_ms(engine: NativeEngine, steps: int, request_id: str, batch: int = 1) -> float:
+    """Median decode step (milliseconds) of `step_times`, the requests then run to the end."""
+    times = step_times(engine, steps, request_id, batch)
+    finish(engine)
+    return 1000 * statistics.median(times)
 
 
 def profile_dtype(engine: NativeEngine, steps: int) -> dict:

@@ -164,11 +164,11 @@ class NativeEngine:
                                   draft_method=self.drafter.name if self.drafter else "none",
                                   max_tree_nodes=self.config.max_tree_nodes)
 
-    def compile_decode(self, autotune: bool = False) -> float:
+    def compile_decode(self, autotune: bool = False, cpp_wrapper: bool = True) -> float:
         """Compile the target's one-token passes and batch-1 verify passes
         (Transformer.compile_decode) and warm them up on cache rows 0 and 1 at positions 0-2,
-        before any request runs (a prefill overwrites those entries). `autotune`: see
-        Transformer.compile_decode. Returns the seconds spent."""
+        before any request runs (a prefill overwrites those entries). `autotune`, `cpp_wrapper`:
+        see Transformer.compile_decode. Returns the seconds spent."""
         if self.has_unfinished():
             raise RuntimeError("compile_decode runs before the engine takes requests")
 
@@ -182,7 +182,7 @@ class NativeEngine:
                 mask = causal_mask(torch.tensor([tokens], device=self.device), tokens)
                 self.model(ids, pos, mask, self.cache, 0, pos, tokens)
 
-        return self.model.compile_decode(warm_up, autotune)
+        return self.model.compile_decode(warm_up, autotune, cpp_wrapper)
 
     @property
     def max_depth(self) -> int:

@@ -438,7 +438,7 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, packed)
         return self.model.norm(x)
 
-    def compile_decode(self, warm_up: Callable[[], None], autotune: bool = False) -> float:
+    def compile_decode(self, warm_up: Callable[[], None], autotune: bool = False, cpp_wrapper: bool = True) -> float:
         """Compile `decoder` with torch.compile (inductor, weights frozen into the graph) for
         passes of one token per row (decode steps without drafts: every step of `off`, any
         batch size) and, at batch 1, of up to COMPILED_TOKENS_AT_BATCH_1 tokens (a chain's or
@@ -455,6 +455,9 @@ class Transformer(nn.Module):
         2.5 minutes on 2 cores instead of one; a bf16 one-token step of SmolLM2 took 15.0 ms
         against 19.3 ms (oneDNN's bf16 matmul streams at about 21 GB/s), fp32 22.9 against
         23.3-24 (docs/native-engine.md).
+
+        `cpp_wrapper`: inductor's C++ wrapper runs each graph (below); False keeps its Python
+        wrapper, whose library calls a profiler sees one by one (the C++ one calls them unseen).
 
         Eager decoding pays a dispatch for each of some 180 aten calls per layer (most of them
         views); compiled, the elementwise ones run as a few fused C++ loops (docs/native-engine.md, "Compiled decode").
@@ -480,8 +483,11 @@ class Transformer(nn.Module):
             decoder, options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
         # Frozen weights become constants inductor lays out for its matmuls (MKL's packed sgemm
         # for fp32 at one row, oneDNN's packed matmul for bf16; torch.compile's
-        # options={"freezing": True} did not reach the weight-packing pass here).
-        options = {"freezing": True}
+        # options={"freezing": True} did not reach the weight-packing pass here). The C++ wrapper
+        # calls the graph's ~250 kernels and library ops without a Python line each: 1.04-1.15x
+        # per decode step at batch 1-16 on the AMD EPYC (8 of 9 interleaved rounds faster), for
+        # about 35 s more compile time (docs/native-engine.md).
+        options = {"freezing": True, "cpp_wrapper": cpp_wrapper}
         if autotune:
             options.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
         with torch.no_grad(), torch._inductor.config.patch(**options):

@@ -5,17 +5,18 @@ were measured fastest there; only the graph of fixed rows changes, at batch 4 an
 inductor's own oneDNN graph, a check on the noise). Two engines of SmolLM2-135M compiled in one process, median decode
 step (30 steps, one prompt repeated per row) at batch 1, 4 and 16 in 3 interleaved rounds.
 
+The log beside it was written before the steps were timed by bench.step_profile.median_step_ms
+(then: 4 warm-up steps, not 5, and requests of 40 tokens).
+
     PYTHONPATH=. .venv/bin/python bench/results/native-cpu/ab_compiled_matmul.py
 """
 import statistics
-import time
 
 import torch
 
-from bench.step_profile import MODEL, PROMPT
+from bench.step_profile import MODEL, median_step_ms
 from native_engine import model as native_model
 from native_engine.engine import EngineConfig, NativeEngine
-from native_engine.requests import SamplingParams
 
 torch.set_num_threads(2)
 
@@ -24,19 +25,8 @@ def load() -> NativeEngine:
     return NativeEngine.from_pretrained(MODEL, drafter="none", config=EngineConfig(max_batch_size=16, max_seq_len=1024))
 
 
-def median_step_ms(engine: NativeEngine, batch: int, steps: int, tag: str) -> float:
-    for i in range(batch):
-        engine.add_request(f"{tag}-{i}", PROMPT, SamplingParams(max_tokens=steps + 10, temperature=0.0, ignore_eos=True))
-    for _ in range(4):
-        engine.step()
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t)
-    while engine.has_unfinished():
-        engine.step()
-    return statistics.median(times) * 1000
+
+
 
 
 chosen = load()
@@ -54,7 +44,7 @@ res: dict[tuple[str, int], list[float]] = {}
 for r in range(3):
     for batch in (1, 4, 16):
         for name in (engines if r % 2 == 0 else reversed(list(engines))):
-            res.setdefault((name, batch), []).append(median_step_ms(engines[name], batch, 30, f"{name}{r}{batch}"))
+            res.setdefault((name, batch), []).append(median_step_ms(engines[name], 30, f"{name}{r}{batch}", batch))
     print(f"round {r + 1}: " + ", ".join(f"{n} b{b} {v[-1]:.1f} ms" for (n, b), v in res.items()), flush=True)
 for batch in (1, 4, 16):
     ratios = [a / b for a, b in zip(res[("inductor", batch)], res[("route", batch)])]
