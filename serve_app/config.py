@@ -210,9 +210,9 @@ class AppConfig(_Strict):
     compile_decode: bool = Field(
         default=False,
         description="native only: compile the one-token decode pass and batch-1 verify passes with "
-        "torch.compile (inductor, weights frozen) when a replica starts: about a minute on 2 CPU cores, then "
-        "batch-1 decode steps 1.08-1.37x faster in this project's measurements (docs/native-engine.md, "
-        "Compiled decode); needs a C++ compiler on a CPU",
+        "torch.compile (inductor, weights frozen, its C++ wrapper) when a replica starts: one to three minutes "
+        "on 2 CPU cores, then batch-1 decode steps 1.08-1.37x faster in this project's measurements "
+        "(docs/native-engine.md, Compiled decode); needs a C++ compiler and Python's headers on a CPU",
     )
     compile_autotune: bool = Field(
         default=False,
