@@ -481,12 +481,12 @@ class Transformer(nn.Module):
                                                       argdefs=Transformer.decoder.__defaults__), self)
         self.compiled_decode = torch.compile(
             decoder, options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
-        # Frozen weights become constants inductor lays out for its matmuls (MKL's packed sgemm
-        # for fp32 at one row, oneDNN's packed matmul for bf16; torch.compile's
-        # options={"freezing": True} did not reach the weight-packing pass here). The C++ wrapper
-        # calls the graph's ~250 kernels and library ops without a Python line each: 1.04-1.15x
-        # per decode step at batch 1-16 on the AMD EPYC (8 of 9 interleaved rounds faster), for
-        # about 35 s more compile time (docs/native-engine.md).
+        # Frozen weights become constants inductor lays out for its matmuls where `graph_path`
+        # leaves them to it (torch.compile's options={"freezing": True} did not reach the
+        # weight-packing pass here). The C++ wrapper calls the graph's ~250 kernels and library
+        # ops without a Python line each: 0.99-1.15x per decode step at batch 1-16 on the AMD
+        # EPYC, 8 of 9 interleaved rounds faster, for about 35 s more compile time
+        # (docs/native-engine.md).
         options = {"freezing": True, "cpp_wrapper": cpp_wrapper}
         if autotune:
             options.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
