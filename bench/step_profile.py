@@ -4,7 +4,7 @@ For each dtype (float32, and bfloat16 where oneDNN runs it), the default model a
 no speculation, greedy: the median step time over `--steps` decode steps, then a
 torch.profiler profile of as many more, its ops grouped into
 - matmuls (the linears: oneDNN's packed matmul, a BLAS gemv, or compiled, MKL's packed sgemm),
-- attention (scaled_dot_product_attention),
+- attention (scaled_dot_product_attention, and adaspec::decode_attention: the decode-attention kernel),
 - other ops (RMSNorm, RoPE, KV-cache writes, activations, residual adds, views, copies),
 - outside any op: Python, the engine's scheduling, sampling (the profiled step's wall time
   minus the ops' own time);
@@ -63,7 +63,7 @@ BF16_GOAL = 1.6  # issue 19: batch-1 decode in bfloat16 at least 1.6x float32's 
 def part_of(op: str) -> str:
     if op in MATMUL_OPS:
         return "matmul"
-    if "scaled_dot_product" in op:
+    if "scaled_dot_product" in op or op == "adaspec::decode_attention":
         return "attention"
     return "other ops"
 
@@ -73,11 +73,12 @@ def load(dtype: torch.dtype) -> NativeEngine:
                                         config=EngineConfig(max_batch_size=1, max_seq_len=1024))
 
 
-def step_times(engine: NativeEngine, steps: int, request_id: str, batch: int = 1) -> list[float]:
-    """Seconds per decode step of `steps` steps of `batch` fresh requests of PROMPT (after
+def step_times(engine: NativeEngine, steps: int, request_id: str, batch: int = 1, prompt: str = PROMPT
+               ) -> list[float]:
+    """Seconds per decode step of `steps` steps of `batch` fresh requests of `prompt` (after
     prefill and warm-up); the requests are left running for whoever steps next."""
     for i in range(batch):
-        engine.add_request(request_id if batch == 1 else f"{request_id}-{i}", PROMPT,
+        engine.add_request(request_id if batch == 1 else f"{request_id}-{i}", prompt,
                            SamplingParams(max_tokens=2 * steps + 20, temperature=0.0, ignore_eos=True))
     for _ in range(5):  # prefill and warm-up
         engine.step()
@@ -94,9 +95,10 @@ def finish(engine: NativeEngine) -> None:
         engine.step()
 
 
-def median_step_ms(engine: NativeEngine, steps: int, request_id: str, batch: int = 1) -> float:
+def median_step_ms(engine: NativeEngine, steps: int, request_id: str, batch: int = 1, prompt: str = PROMPT
+                   ) -> float:
     """Median decode step (milliseconds) of `step_times`, the requests then run to the end."""
-    times = step_times(engine, steps, request_id, batch)
+    times = step_times(engine, steps, request_id, batch, prompt)
     finish(engine)
     return 1000 * statistics.median(times)
 

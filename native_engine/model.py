@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from native_engine import linear_choice
+from native_engine import decode_attention, linear_choice
 from native_engine.kv_cache import KVCache, whole_key_blocks_of
 from native_engine.linear_choice import LinearChoice
 
@@ -211,13 +211,16 @@ class ForwardInputs:
     query attends every key.
     cache, row_start, write_pos [B, T], key_len: the new keys/values go to cache positions
     `write_pos` of rows row_start .. row_start + B - 1; attention reads positions [0, key_len).
-    Without a cache, the tokens attend among themselves (S = T)."""
+    Without a cache, the tokens attend among themselves (S = T).
+    one_token_keys [B] int64: set when a one-token pass runs the decode-attention kernel
+    (native_engine/decode_attention.py): how many cache positions each row's token attends."""
 
     mask: torch.Tensor | None
     cache: KVCache | None
     row_start: int
     write_pos: torch.Tensor | None
     key_len: int
+    one_token_keys: torch.Tensor | None = None
 
 
 # Compiled (compile_decode), a batch-1 pass of up to this many tokens runs the compiled graph:
@@ -236,6 +239,8 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: i
     else:
         keys, values = s.cache.update(layer, s.row_start, s.write_pos, k, v, s.key_len)  # [B, Hkv, S, Dh]
     B, T, H, Dh = q.shape
+    if s.one_token_keys is not None:
+        return decode_attention.decode_attention(q[:, 0], keys, values, s.one_token_keys).view(B, T, H * Dh)
     return attend(q.transpose(1, 2), keys, values, s.mask).transpose(1, 2).reshape(B, T, H * Dh)
 
 
@@ -385,6 +390,9 @@ class Transformer(nn.Module):
         self.serving = False  # prepare_for_serving has rearranged the weights
         self.linear_choice: LinearChoice | None = None  # CPU: the CpuLinear paths, measured per token count
         self.compiled_decode = None  # `decoder` compiled for one token per row (compile_decode)
+        # One-token passes over a cache attend with native_engine/decode_attention.py's kernel
+        # (None: decided at the first such pass or by prepare_for_serving; False turns it off).
+        self.decode_kernel: bool | None = None
 
     def rope(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Cached cos and signed sin tables (apply_rope's) covering at least `length` positions,
@@ -419,7 +427,12 @@ class Transformer(nn.Module):
             # Additive (0 / -inf), once per pass: the attention kernel would convert a bool mask in every layer.
             mask = torch.zeros(mask.shape, dtype=self.lm_head.weight.dtype, device=mask.device).masked_fill_(
                 ~mask, float("-inf"))
-        _forward.inputs = ForwardInputs(mask, cache, row_start, write_pos, key_len)
+        one_token_keys = None
+        if cache is not None and tokens.shape[1] == 1 and self.uses_decode_kernel():
+            # Causal decoding: a row's one new token attends its cache positions 0 .. write_pos,
+            # as the mask says; the kernel reads only those.
+            one_token_keys = write_pos[:, 0] + 1
+        _forward.inputs = ForwardInputs(mask, cache, row_start, write_pos, key_len, one_token_keys)
         try:
             if self.compiled_decode is not None and packed is None and (
                     tokens.shape[1] == 1 or (tokens.shape[0] == 1 and tokens.shape[1] <= COMPILED_TOKENS_AT_BATCH_1)):
@@ -427,6 +440,15 @@ class Transformer(nn.Module):
             return self.decoder(tokens, cos, sin, packed)
         finally:
             _forward.inputs = None
+
+    def uses_decode_kernel(self) -> bool:
+        """Whether one-token passes over a cache run the decode-attention kernel: float32 on a
+        CPU where it builds, head size a multiple of 16 (decided once)."""
+        if self.decode_kernel is None:
+            w = self.lm_head.weight
+            self.decode_kernel = (decode_attention.supports(self.args.head_dim, w.dtype, w.device)
+                                  and decode_attention.kernel() is not None)
+        return self.decode_kernel
 
     def decoder(self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packed: Packing | None = None
                 ) -> torch.Tensor:
@@ -513,6 +535,9 @@ class Transformer(nn.Module):
           day (4.3 vs 9.2 ms, one thread), the packed one won at one token by 15% on another,
           and at 2-3 tokens [out, in] beat both by 15% in float32 (docs/native-engine.md).
           Two or three copies of each weight, and the tied lm_head gets copies of its own.
+        - On a CPU with AVX2 in float32, one-token passes (decode steps) attend with the
+          decode-attention kernel (native_engine/decode_attention.py), built here if this
+          process has not built it yet: it reads each sequence's cache once, up to its own length.
 
         Inference only: the state dict no longer has Hugging Face's names, so load, train and
         save before calling this. Calling it twice changes nothing."""
@@ -532,6 +557,7 @@ class Transformer(nn.Module):
                                                           linear_choice.model_key(self.args, self.lm_head.weight.dtype))
                 for m in linears:
                     m.use(self.linear_choice.route())
+        self.uses_decode_kernel()  # builds it now rather than at the first decode step
         self.serving = True
         return self
 

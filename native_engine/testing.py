@@ -18,8 +18,9 @@ from native_engine.model import ModelArgs, Transformer, causal_mask
 
 
 def tiny_args(vocab_size: int = 64, **overrides) -> ModelArgs:
-    """A 2-layer GQA model (4 query heads, 2 KV heads) with a few thousand parameters."""
-    base = dict(vocab_size=vocab_size, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+    """A 2-layer GQA model (4 query heads, 2 KV heads) with a few thousand parameters; its head
+    size (16) is one the decode-attention kernel takes, so engine tests run it."""
+    base = dict(vocab_size=vocab_size, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                 intermediate_size=64, rope_theta=10000.0, max_position=512)
     base.update(overrides)
     return ModelArgs(**base)

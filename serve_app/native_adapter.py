@@ -120,9 +120,10 @@ class AdaspecNativeEngine(LLMEngine):
             logger.info("adaspec: decode pass compiled in %.0f s", seconds)
         dtype = str(engine.model.lm_head.weight.dtype).removeprefix("torch.")
         logger.info("adaspec: native engine started: %s, %s drafter (max depth %d), %d rows x %d tokens, policy %s, "
-                    "matmuls: %s", dtype, self._caps.draft_method, self._caps.max_k,
+                    "matmuls: %s, decode attention: %s", dtype, self._caps.draft_method, self._caps.max_k,
                     self.settings.max_batch_size, self.settings.max_model_len, engine.policy,
-                    engine.model.linear_choice or "one path")
+                    engine.model.linear_choice or "one path",
+                    "adaspec's kernel" if engine.model.uses_decode_kernel() else "torch's")
 
     # ------------------------------------------------------------------ control plane
     async def capabilities(self) -> EngineCapabilities:

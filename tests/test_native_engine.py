@@ -120,7 +120,7 @@ def test_greedy_equals_hf_transformers_on_the_same_weights():
 
     torch.manual_seed(5)
     cfg = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
                       initializer_range=0.2)
     hf = LlamaForCausalLM(cfg).eval()
     d = cfg.to_dict()

@@ -1,0 +1,102 @@
+"""The decode-attention kernel (native_engine/decode_attention.py) against torch's attention:
+every grouped-query layout and head size it takes, rows of uneven length read from strided
+cache views, a negative check that the comparison notices a wrong length, clear errors, and
+an engine whose decode steps run it decoding exactly as recomputation from scratch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from native_engine import decode_attention
+from native_engine.engine import EngineConfig, NativeEngine
+from native_engine.drafters import NgramDrafter
+from native_engine.model import build_model
+from native_engine.requests import SamplingParams
+from native_engine.testing import reference_greedy, tiny_args
+from adaspec.policy import SpecPolicy
+
+pytestmark = pytest.mark.skipif(decode_attention.kernel() is None,
+                                reason="the kernel needs an x86 CPU with AVX2 and a C++ compiler")
+
+
+def _case(B: int, H: int, Hkv: int, Dh: int, S: int, seed: int = 0):
+    """q [B, H, Dh]; keys/values [B, Hkv, S, Dh] as views of a larger cache (other strides
+    than their own shape's); per-row lengths 1..S with both ends present."""
+    gen = torch.Generator().manual_seed(seed)
+    cache = torch.randn(2, B + 1, Hkv, S + 37, Dh, generator=gen)
+    keys, values = cache[0, 1:, :, :S], cache[1, 1:, :, :S]
+    q = torch.randn(B, H, Dh, generator=gen)
+    lengths = torch.randint(1, S + 1, (B,), generator=gen)
+    lengths[0], lengths[-1] = 1, S
+    return q, keys, values, lengths
+
+
+def _torch_attention(q, keys, values, lengths):
+    B, H, Dh = q.shape
+    mask = (torch.arange(keys.shape[2])[None, :] < lengths[:, None]).view(B, 1, 1, -1)
+    out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask,
+                                         enable_gqa=H != keys.shape[1])
+    return out.reshape(B, H * Dh)
+
+
+@pytest.mark.parametrize("H,Hkv,Dh", [(4, 4, 16), (9, 3, 64), (8, 2, 128), (14, 2, 64), (10, 2, 32)])
+def test_the_kernel_matches_torch_attention(H, Hkv, Dh):
+    q, keys, values, lengths = _case(B=5, H=H, Hkv=Hkv, Dh=Dh, S=203)
+    got = decode_attention.decode_attention(q, keys, values, lengths)
+    torch.testing.assert_close(got, _torch_attention(q, keys, values, lengths), rtol=1e-5, atol=1e-5)
+
+
+def test_the_comparison_notices_one_key_too_few():
+    q, keys, values, lengths = _case(B=4, H=9, Hkv=3, Dh=64, S=40, seed=1)
+    short = (lengths - 1).clamp(min=1)
+    got = decode_attention.decode_attention(q, keys, values, short)
+    assert not torch.allclose(got, _torch_attention(q, keys, values, lengths), rtol=1e-5, atol=1e-5)
+
+
+def test_lengths_outside_the_cache_are_refused():
+    q, keys, values, lengths = _case(B=2, H=4, Hkv=2, Dh=16, S=8)
+    with pytest.raises(RuntimeError, match="9 keys of 8"):
+        decode_attention.decode_attention(q, keys, values, torch.tensor([3, 9]))
+    with pytest.raises(RuntimeError, match="0 keys of 8"):
+        decode_attention.decode_attention(q, keys, values, torch.tensor([0, 8]))
+
+
+def test_supports_float32_cpu_head_sizes_of_sixteen():
+    assert decode_attention.supports(64, torch.float32, "cpu")
+    assert not decode_attention.supports(8, torch.float32, "cpu")
+    assert not decode_attention.supports(64, torch.bfloat16, "cpu")
+
+
+def test_an_engine_decoding_with_the_kernel_equals_recomputation(monkeypatch):
+    """Rows of uneven length join and finish while others decode: every one-token step of
+    the engine attends with the kernel, and greedy output is the model's own (no cache)."""
+    target = build_model(tiny_args(vocab_size=64), seed=1, init_std=0.15)
+    calls = []
+    real = decode_attention.decode_attention
+
+    def counted(*args):
+        calls.append(args[0].shape[0])
+        return real(*args)
+
+    monkeypatch.setattr(decode_attention, "decode_attention", counted)
+    engine = NativeEngine(target, NgramDrafter(max_n=3, min_n=1), EngineConfig(max_batch_size=3, max_seq_len=128),
+                          SpecPolicy.parse("off"))
+    assert target.uses_decode_kernel()
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 64, (n,), generator=gen).tolist() for n in (4, 13, 7, 21)]
+    max_tokens = [20, 9, 25, 12]
+    outputs = {i: [] for i in range(len(prompts))}
+    for i in range(3):
+        engine.add_request(str(i), prompts[i], SamplingParams(max_tokens=max_tokens[i]))
+    for step in range(200):
+        if step == 5:
+            engine.add_request("3", prompts[3], SamplingParams(max_tokens=max_tokens[3]))
+        for out in engine.step():
+            outputs[int(out.request_id)].extend(out.new_token_ids)
+        if step > 5 and not engine.has_unfinished():
+            break
+    for i, prompt in enumerate(prompts):
+        assert outputs[i] == reference_greedy(target, prompt, max_tokens[i]), i
+    assert max(calls) == 3  # batches of three rows ran through the kernel
