@@ -213,7 +213,8 @@ class ForwardInputs:
     `write_pos` of rows row_start .. row_start + B - 1; attention reads positions [0, key_len).
     Without a cache, the tokens attend among themselves (S = T).
     one_token_keys [B] int64: set when a one-token pass runs the decode-attention kernel
-    (native_engine/decode_attention.py): how many cache positions each row's token attends."""
+    (native_engine/decode_attention.py): how many cache positions each row's token attends,
+    a prefix of its row (`prefix_lengths`)."""
 
     mask: torch.Tensor | None
     cache: KVCache | None
@@ -257,6 +258,20 @@ def _cached_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, laye
 def _(q, k, v, layer):
     B, T, H, Dh = q.shape
     return q.new_empty(B, T, H * Dh)
+
+
+def prefix_lengths(mask: torch.Tensor | None, key_len: int, rows: int) -> torch.Tensor | None:
+    """For a one-token pass: how many keys each row attends [rows] int64, where its mask row
+    [B, 1, 1, S] (bool True = attend, or additive 0 = attend; None = all `key_len`) is a
+    prefix 0 .. n - 1 with n >= 1, as in causal decoding: the decode-attention kernel's case.
+    None where some row's is not (a draft tree's node attends its ancestors, not the siblings
+    written between them), and attention stays torch's with the mask."""
+    if mask is None:
+        return torch.full((rows,), key_len, dtype=torch.long)
+    seen = (mask if mask.dtype == torch.bool else mask == 0).reshape(rows, -1)
+    n = seen.sum(-1)
+    prefix = torch.arange(seen.shape[1], device=seen.device)[None, :] < n[:, None]
+    return n if bool((n > 0).all() and (seen == prefix).all()) else None
 
 
 def whole_key_blocks(mask: torch.Tensor | None, key_len: int, device=None) -> tuple[torch.Tensor | None, int]:
@@ -421,17 +436,15 @@ class Transformer(nn.Module):
         cos_t, sin_t = self.rope(int(positions.max()) + 1)
         # [B, T, 1, Dh], gathered once for every layer; RoPE runs in the padded layout.
         cos, sin = cos_t[positions].unsqueeze(2), sin_t[positions].unsqueeze(2)
+        one_token_keys = None
+        if cache is not None and tokens.shape[1] == 1 and self.uses_decode_kernel():
+            one_token_keys = prefix_lengths(mask, key_len, tokens.shape[0])
         if cache is not None and self.lm_head.weight.dtype != torch.float32:
             mask, key_len = whole_key_blocks(mask, key_len, tokens.device)
         if mask is not None and mask.dtype == torch.bool:
             # Additive (0 / -inf), once per pass: the attention kernel would convert a bool mask in every layer.
             mask = torch.zeros(mask.shape, dtype=self.lm_head.weight.dtype, device=mask.device).masked_fill_(
                 ~mask, float("-inf"))
-        one_token_keys = None
-        if cache is not None and tokens.shape[1] == 1 and self.uses_decode_kernel():
-            # Causal decoding: a row's one new token attends its cache positions 0 .. write_pos,
-            # as the mask says; the kernel reads only those.
-            one_token_keys = write_pos[:, 0] + 1
         _forward.inputs = ForwardInputs(mask, cache, row_start, write_pos, key_len, one_token_keys)
         try:
             if self.compiled_decode is not None and packed is None and (

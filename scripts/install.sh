@@ -34,3 +34,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
 fi
 
 "$VENV/bin/adaspec" prepare-models
+
+# The native engine's decode-attention kernel is C++ built on first use (about 30 s, then
+# cached); built here, that stays out of the first native replica's start-up.
+"$VENV/bin/python" -c "
+from native_engine.decode_attention import kernel
+print('[install] decode-attention kernel:', 'ready' if kernel() else 'not available here (attention stays torch\'s)')"

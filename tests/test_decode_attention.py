@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from native_engine import decode_attention
 from native_engine.engine import EngineConfig, NativeEngine
 from native_engine.drafters import NgramDrafter
-from native_engine.model import build_model
+from native_engine.kv_cache import KVCache
+from native_engine.model import build_model, prefix_lengths
 from native_engine.requests import SamplingParams
 from native_engine.testing import reference_greedy, tiny_args
 from adaspec.policy import SpecPolicy
@@ -67,6 +68,48 @@ def test_supports_float32_cpu_head_sizes_of_sixteen():
     assert decode_attention.supports(64, torch.float32, "cpu")
     assert not decode_attention.supports(8, torch.float32, "cpu")
     assert not decode_attention.supports(64, torch.bfloat16, "cpu")
+
+
+def test_prefix_lengths_take_only_masks_that_are_a_prefix_per_row():
+    assert prefix_lengths(None, 7, 3).tolist() == [7, 7, 7]
+    keys = torch.arange(6)
+    prefix = (keys[None, :] < torch.tensor([2, 6, 1])[:, None]).view(3, 1, 1, 6)
+    assert prefix_lengths(prefix, 6, 3).tolist() == [2, 6, 1]
+    additive = torch.zeros(3, 1, 1, 6).masked_fill(~prefix, float("-inf"))
+    assert prefix_lengths(additive, 6, 3).tolist() == [2, 6, 1]
+    hole = prefix.clone()
+    hole[1, 0, 0, 3] = False  # a draft-tree node that does not see a sibling written before it
+    assert prefix_lengths(hole, 6, 3) is None
+    empty = prefix.clone()
+    empty[2] = False
+    assert prefix_lengths(empty, 6, 3) is None
+
+
+def _one_token_pass(model, mask, key_len):
+    """A one-token pass of 2 rows over a cache holding key_len - 1 random entries per row."""
+    a = model.args
+    cache = KVCache.allocate(a.n_layers, 2, a.n_kv_heads, 32, a.head_dim)
+    gen = torch.Generator().manual_seed(4)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=gen))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=gen))
+    write = torch.tensor([[key_len - 1], [key_len - 1]])
+    with torch.no_grad():
+        return model(torch.tensor([[5], [9]]), write, mask, cache, 0, write, key_len)
+
+
+@pytest.mark.parametrize("hole", [False, True])
+def test_one_token_passes_use_the_kernel_only_where_the_mask_is_a_prefix(monkeypatch, hole):
+    model = build_model(tiny_args(vocab_size=64), seed=2)
+    mask = torch.ones(2, 1, 1, 12, dtype=torch.bool)
+    if hole:
+        mask[0, 0, 0, 4:7] = False
+    calls = []
+    real = decode_attention.decode_attention
+    monkeypatch.setattr(decode_attention, "decode_attention", lambda *a: calls.append(1) or real(*a))
+    with_kernel = _one_token_pass(model, mask, 12)
+    assert len(calls) == (0 if hole else model.args.n_layers)
+    model.decode_kernel = False
+    torch.testing.assert_close(with_kernel, _one_token_pass(model, mask, 12), rtol=1e-5, atol=1e-5)
 
 
 def test_an_engine_decoding_with_the_kernel_equals_recomputation(monkeypatch):
