@@ -40,7 +40,7 @@ from adaspec.telemetry import EngineCapabilities, RequestLifetimes, StepRecord
 from native_engine.budget import BudgetPlan, BudgetPlanner
 from native_engine.drafters import Drafter, NgramDrafter
 from native_engine.kv_cache import KVCache
-from native_engine.model import Packing, Transformer, causal_mask, load_model
+from native_engine.model import COMPILED_TOKENS_AT_BATCH_1, Packing, Transformer, causal_mask, load_model
 from native_engine.requests import Request, RequestOutput, SamplingParams
 from native_engine.stats import AcceptanceCounts
 from native_engine.tree import DraftTree, TreeShape, attention_mask, batch_tree_inputs
@@ -166,17 +166,23 @@ class NativeEngine:
 
     def compile_decode(self, autotune: bool = False, cpp_wrapper: bool = True) -> float:
         """Compile the target's one-token passes and batch-1 verify passes
-        (Transformer.compile_decode) and warm them up on cache rows 0 and 1 at positions 0-2,
-        before any request runs (a prefill overwrites those entries). `autotune`, `cpp_wrapper`:
+        (Transformer.compile_decode) and warm them up on cache rows 0 and 1 at positions 0-2
+        (and, where the matmul path changes with the rows, on as many rows or positions as a
+        graph of the wider passes needs), before any request runs (a prefill overwrites those
+        entries). `autotune`, `cpp_wrapper`:
         see Transformer.compile_decode. Returns the seconds spent."""
         if self.has_unfinished():
             raise RuntimeError("compile_decode runs before the engine takes requests")
 
         def warm_up() -> None:
-            for rows in sorted({1, min(2, self.cache.rows)}):  # one token per row
-                zeros = torch.zeros((rows, 1), dtype=torch.long, device=self.device)
+            # Where the matmul path changes with the rows (Transformer.compiled_row_splits),
+            # the wider passes compile apart: one of each now, not mid-serving.
+            splits = self.model.compiled_row_splits()
+            for rows in sorted({1, min(2, self.cache.rows)} | {r for r in splits if r <= self.cache.rows}):
+                zeros = torch.zeros((rows, 1), dtype=torch.long, device=self.device)  # one token per row
                 self.model(zeros, zeros, None, self.cache, 0, zeros, 1)
-            for tokens in (2, 3):  # a verify pass at batch 1: the token count becomes symbolic
+            # A verify pass at batch 1: the token count becomes symbolic.
+            for tokens in sorted({2, 3} | {t for t in splits if t <= min(COMPILED_TOKENS_AT_BATCH_1, self.cache.max_len)}):
                 ids = torch.zeros((1, tokens), dtype=torch.long, device=self.device)
                 pos = torch.arange(tokens, device=self.device)[None]
                 mask = causal_mask(torch.tensor([tokens], device=self.device), tokens)

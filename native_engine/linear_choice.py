@@ -1,10 +1,13 @@
 """Which matmul path a CPU model's linears take, per number of tokens in a pass: measured.
 
-A `CpuLinear` (native_engine/model.py) can run its weight three ways:
+A `CpuLinear` (native_engine/model.py) can run its weight four ways:
 - "gemv": input-major [in, out], a plain `x @ W_t` (MKL's GEMV at one row);
 - "linear": the usual [out, in] layout, `F.linear` (MKL's sgemm on a transposed operand, which
   at 2-3 rows streams each weight row once for all of them: chain1/chain2 verify passes);
-- "packed": oneDNN's prepacked blocked layout (verify passes, batches, prefill).
+- "packed": oneDNN's prepacked blocked layout (verify passes, batches, prefill);
+- "one_row": adaspec's own float32 kernel on the [out, in] layout (native_engine/cpu_kernels.py),
+  where it builds: on 2 AMD EPYC (Zen 2) cores it streamed one row's weights at 25-26 GB/s
+  against 16 GB/s for oneDNN's packed matmul.
 Which is fastest depends on the CPU, its BLAS, the dtype, the model's shapes and the number
 of rows: on this project's 2-core machine "gemv" and "packed" have each won at one token on
 different days, and "linear" beat both by 15% at 2-3 rows in float32 and lost everywhere in
@@ -28,7 +31,7 @@ import torch
 
 from adaspec.models import cache_dir
 
-PATHS = ("gemv", "linear", "packed")
+PATHS = ("gemv", "linear", "packed", "one_row")
 TOKEN_COUNTS = (1, 2, 3, 4, 8)  # tokens per pass that are timed (a batch-1 decode, short verify passes)
 REPS = 3  # timed forwards per path and token count, after one warm-up each
 
@@ -110,41 +113,50 @@ def write_cached(name: str, key: str, entry: dict) -> None:
         pass  # a read-only cache: measure again next time
 
 
+def paths_for(linears: list) -> tuple[str, ...]:
+    """The paths every one of `linears` can take here: adaspec's "one_row" kernel only where it
+    builds and takes every weight (float32, in-features a multiple of 8)."""
+    return tuple(p for p in PATHS if p != "one_row" or all(m.runs_one_row() for m in linears))
+
+
 def choose(model, linears: list, key: str) -> LinearChoice:
     """The cached choice for `key`, else one measured on `model` (and cached)."""
-    key = f"{key}|paths={','.join(PATHS)}|tokens={','.join(map(str, TOKEN_COUNTS))}"
+    paths = paths_for(linears)
+    key = f"{key}|paths={','.join(paths)}|tokens={','.join(map(str, TOKEN_COUNTS))}"
     known = read_cached("linear-choice.json", key)
     if known is not None:
         return LinearChoice({int(t): p for t, p in known["path_by_tokens"].items()},
                             {p: {int(t): ms for t, ms in v.items()} for p, v in known["times_ms"].items()},
                             cached=True)
-    choice = measure(model, linears)
+    choice = measure(model, linears, paths=paths)
     write_cached("linear-choice.json", key, {"path_by_tokens": choice.path_by_tokens, "times_ms": choice.times_ms})
     return choice
 
 
 @torch.no_grad()
-def measure(model, linears: list, clock=time.perf_counter) -> LinearChoice:
-    """Time forwards of TOKEN_COUNTS tokens with every linear on each path, interleaved (the
-    order alternates between repetitions); `clock` gives seconds."""
+def measure(model, linears: list, clock=time.perf_counter, paths: tuple[str, ...] | None = None) -> LinearChoice:
+    """Time forwards of TOKEN_COUNTS tokens with every linear on each of `paths` (default:
+    `paths_for(linears)`), interleaved (the order alternates between repetitions); `clock`
+    gives seconds."""
     from native_engine.model import causal_mask
 
-    times: dict[str, dict[int, float]] = {path: {} for path in PATHS}
+    paths = paths or paths_for(linears)
+    times: dict[str, dict[int, float]] = {path: {} for path in paths}
     for m in linears:
-        m.use(PATHS)  # every path's layout exists while they are timed
+        m.use(paths)  # every path's layout exists while they are timed
     for tokens in TOKEN_COUNTS:
         ids = torch.zeros((1, tokens), dtype=torch.long)
         pos = torch.arange(tokens)[None]
         mask = causal_mask(torch.tensor([tokens]), tokens)
-        best = dict.fromkeys(PATHS, float("inf"))
+        best = dict.fromkeys(paths, float("inf"))
         for rep in range(REPS + 1):
-            for path in PATHS if rep % 2 == 0 else PATHS[::-1]:
+            for path in paths if rep % 2 == 0 else paths[::-1]:
                 for m in linears:
                     m.route = (path,) * (tokens + 1)  # this path at up to `tokens` rows
                 start = clock()
                 model.logits(model(ids, pos, mask)[:, -1])
                 if rep > 0:  # the first of each is a warm-up
                     best[path] = min(best[path], clock() - start)
-        for path in PATHS:
+        for path in paths:
             times[path][tokens] = 1e3 * best[path]
-    return LinearChoice({t: min(PATHS, key=lambda p: times[p][t]) for t in TOKEN_COUNTS}, times)
+    return LinearChoice({t: min(paths, key=lambda p: times[p][t]) for t in TOKEN_COUNTS}, times)

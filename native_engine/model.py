@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from native_engine import decode_attention, linear_choice
+from native_engine import cpu_kernels, decode_attention, linear_choice
 from native_engine.kv_cache import KVCache, whole_key_blocks_of
 from native_engine.linear_choice import LinearChoice
 
@@ -507,6 +507,7 @@ class Transformer(nn.Module):
         for m in self.modules():
             if isinstance(m, CpuLinear):
                 m.graph_path = compiled_matmul_path(m, autotune)
+                m.graph_rows = one_row_rows(m.route)
         # Dynamo keeps its graphs per code object, and with the module guards skipped (they would
         # be checked on every call) it would hand this model a graph compiled for another model
         # of the same shapes in the process, with that model's frozen weights: each model
@@ -528,6 +529,12 @@ class Transformer(nn.Module):
         with torch.no_grad(), torch._inductor.config.patch(**options):
             warm_up()
         return time.perf_counter() - start
+
+    def compiled_row_splits(self) -> list[int]:
+        """Row counts where the compiled passes change matmul path (see CpuLinear.forward): a
+        pass of that many rows or tokens compiles a graph of its own, so the warm-up runs one."""
+        return sorted({m.graph_rows + 1 for m in self.modules()
+                       if isinstance(m, CpuLinear) and m.graph_path == "one_row" and m.graph_rows > 1})
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [..., V] of hidden states [..., D]."""
@@ -584,7 +591,11 @@ class CpuLinear(nn.Module):
       only where it is used (`use`);
     - "packed": oneDNN's blocked layout, prepacked once (`torch.ops.mkldnn`, as vLLM-cpu and
       torch.compile's CPU backend do) for wider passes (verify passes, batches, prefill);
-      without oneDNN (or bfloat16 without oneDNN's bf16) the input-major weight again.
+      without oneDNN (or bfloat16 without oneDNN's bf16) the input-major weight again;
+    - "one_row": adaspec's own kernel on the [out, in] copy (`torch.ops.adaspec.one_row_matmul`,
+      native_engine/cpu_kernels.py; float32, AVX2): streams the weight at close to the
+      memory's rate for one row, where the libraries' kernels reach about 60% of it on some
+      CPUs (docs/native-engine.md, "The one-row matmul").
     `route[r]` names the path of a pass of r rows (the last entry: every wider pass); it is
     measured per machine and model when the model is prepared for serving. Two or three
     copies of the weight: meant for the small models a CPU serves. `weight` is the usual
@@ -595,15 +606,17 @@ class CpuLinear(nn.Module):
         w = linear.weight.detach()
         self.weight_t = nn.Parameter(w.t().contiguous(), requires_grad=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
-        self.weight_out_in: torch.Tensor | None = None  # the "linear" path's copy, where it is used
+        self.weight_out_in: torch.Tensor | None = None  # the "linear" and "one_row" paths' copy, where used
         self.packed = None
         if torch.backends.mkldnn.is_available() and (
                 w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 16)
         self.route: tuple[str, ...] = ("gemv", "gemv", "packed")  # until measured: gemv at one row
         # What a compiled pass calls (Transformer.compile_decode): "packed", oneDNN's matmul on
-        # the prepacked weight, or "inductor", the weight left for inductor to lay out itself.
+        # the prepacked weight, "one_row", adaspec's kernel, or "inductor", the weight left for
+        # inductor to lay out itself.
         self.graph_path = "inductor"
+        self.graph_rows = 1  # "one_row": the widest compiled pass that takes it (one_row_rows)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -613,9 +626,10 @@ class CpuLinear(nn.Module):
         """Take the paths of `route` (see the class docstring); makes or frees the [out, in] copy."""
         if self.packed is None:
             route = tuple("gemv" if path == "packed" else path for path in route)
-        if "linear" in route and self.weight_out_in is None:
+        out_in = "linear" in route or "one_row" in route
+        if out_in and self.weight_out_in is None:
             self.weight_out_in = self.weight_t.t().contiguous()
-        elif "linear" not in route:
+        elif not out_in:
             self.weight_out_in = None
         self.route = route
 
@@ -625,9 +639,17 @@ class CpuLinear(nn.Module):
         # on it, and a wider batch would recompile mid-serving.
         if torch.compiler.is_compiling():
             rows = x.numel() // x.shape[-1]
-            # Only a graph of fixed rows: where they are symbolic inductor takes oneDNN itself.
-            if self.graph_path == "packed" and isinstance(rows, int):
-                return self._packed(x, rows)
+            # "packed": only the one-row graph (batch-1 decode); `x.numel() == x.shape[-1]` is
+            # decided from the graph's shapes (a symbolic batch or token count is known to be
+            # >= 2), so it adds no guard. (`isinstance(rows, int)` cannot tell: dynamo traces a
+            # symbolic size as an int.)
+            if self.graph_path == "packed" and x.numel() == x.shape[-1]:
+                return self._packed(x, 1)
+            # "one_row": every graph of at most `graph_rows` rows. On a symbolic row count the
+            # comparison is a guard, so graphs split there: passes of 2..graph_rows rows and
+            # of more compile apart (Transformer.compile_decode warms both up).
+            if self.graph_path == "one_row" and rows <= self.graph_rows:
+                return self._one_row(x, rows)
             return self._gemv(x)  # a frozen constant that inductor prepacks itself
         rows = x.numel() // x.shape[-1]
         path = self.route[min(rows, len(self.route) - 1)]
@@ -635,6 +657,8 @@ class CpuLinear(nn.Module):
             return self._packed(x, rows)
         if path == "linear" and self.weight_out_in is not None:
             return self._linear(x)
+        if path == "one_row" and self.weight_out_in is not None:
+            return self._one_row(x, rows)
         return self._gemv(x)
 
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
@@ -648,14 +672,39 @@ class CpuLinear(nn.Module):
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), self.packed, self.bias, "none", [], "")
         return y.view(*x.shape[:-1], y.shape[-1])
 
+    def _one_row(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        y = torch.ops.adaspec.one_row_matmul(x.reshape(rows, x.shape[-1]).contiguous(), self.weight_out_in)
+        y = y.view(*x.shape[:-1], y.shape[-1])
+        return y if self.bias is None else y + self.bias
+
+    def runs_one_row(self) -> bool:
+        """Whether adaspec's one-row kernel takes this weight: float32, in-features a multiple
+        of 8, on a CPU where the kernels built (native_engine/cpu_kernels.py)."""
+        w = self.weight_t
+        return w.dtype == torch.float32 and w.shape[0] % 8 == 0 and cpu_kernels.load()
+
 
 def compiled_matmul_path(linear: CpuLinear, autotune: bool) -> str:
     """What `linear` calls in a compiled pass of fixed rows: "packed" (oneDNN's matmul on the
-    prepacked weight) where the measured route sends one-token passes there, else "inductor"
-    (inductor lays the frozen weight out itself). Only float32 changes: for bfloat16 inductor
-    picks oneDNN anyway, and with `autotune` it times its own kernels against the library's."""
-    one_token = linear.route[1] == "packed" and linear.packed is not None
-    return "packed" if one_token and linear.weight_t.dtype == torch.float32 and not autotune else "inductor"
+    prepacked weight) or "one_row" (adaspec's kernel) where the measured route sends one-token
+    passes there, else "inductor" (inductor lays the frozen weight out itself). Only float32
+    changes: for bfloat16 inductor picks oneDNN anyway, and with `autotune` it times its own
+    kernels against the library's."""
+    one_token = linear.route[1]
+    usable = ((one_token == "packed" and linear.packed is not None)
+              or (one_token == "one_row" and linear.weight_out_in is not None))
+    return one_token if usable and linear.weight_t.dtype == torch.float32 and not autotune else "inductor"
+
+
+def one_row_rows(route: tuple[str, ...]) -> int:
+    """The widest pass `route` runs on "one_row" from one row up (0: none); every wider pass
+    takes another path."""
+    if route[-1] == "one_row":
+        return 1 << 40  # every pass
+    rows = 0
+    while rows + 1 < len(route) - 1 and route[rows + 1] == "one_row":
+        rows += 1
+    return rows
 
 
 def causal_mask(lengths: torch.Tensor, T: int) -> torch.Tensor:

@@ -35,8 +35,8 @@ fi
 
 "$VENV/bin/adaspec" prepare-models
 
-# The native engine's decode-attention kernel is C++ built on first use (about 30 s, then
-# cached); built here, that stays out of the first native replica's start-up.
+# adaspec's CPU kernels (native_engine/cpu_kernels.py) are C++ built on first use (about 40 s,
+# then cached); built here, that stays out of the first native replica's start-up.
 "$VENV/bin/python" -c "
-from native_engine.decode_attention import kernel
-print('[install] decode-attention kernel:', 'ready' if kernel() else 'not available here (attention stays torch\'s)')"
+from native_engine import cpu_kernels
+print('[install] CPU kernels:', 'ready' if cpu_kernels.load() else 'not available here (torch\'s kernels instead)')"

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from adaspec.policy import SpecPolicy
+from native_engine import cpu_kernels
 from native_engine.drafters import NgramDrafter
 from native_engine.engine import EngineConfig, NativeEngine
 from native_engine.model import CpuLinear, build_model, compiled_matmul_path
@@ -126,14 +127,14 @@ def test_autotuned_compile_uses_inductors_gemm_kernels_and_gives_the_eager_greed
         assert out == reference_greedy(eager_model, prompt, 24)
 
 
-def _compiled_on(route: tuple[str, ...], seed: int) -> NativeEngine:
+def _compiled_on(route: tuple[str, ...], seed: int, rows: int = 2) -> NativeEngine:
     """A tiny model's engine compiled with the given matmul route and inductor's Python
     wrapper, whose library calls a profiler sees (the C++ wrapper calls them unseen)."""
     model = build_model(tiny_args(vocab_size=64), seed=seed, init_std=0.15).prepare_for_serving()
     for m in model.modules():
         if isinstance(m, CpuLinear):
             m.use(route)
-    engine = NativeEngine(model, None, EngineConfig(max_batch_size=2, max_seq_len=160))
+    engine = NativeEngine(model, None, EngineConfig(max_batch_size=rows, max_seq_len=160))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the tests run: another thread count would recompile, unfrozen
     engine.compile_decode(cpp_wrapper=False)
@@ -157,12 +158,14 @@ def test_a_second_model_in_the_process_runs_its_own_weights(compiled_on_onednn):
     assert out == reference_greedy(other, prompt, 16)
 
 
-def _matmul_ops_of_one_compiled_step(engine: NativeEngine) -> set[str]:
-    """The matmul ops a batch-1 decode step runs (the compiled one-row graph; the lm_head is
-    eager and takes its own route)."""
+def _matmul_ops_of_one_compiled_step(engine: NativeEngine, batch: int = 1) -> dict[str, int]:
+    """The matmul ops (and their calls) a decode step of `batch` rows runs: the compiled
+    one-row graph at batch 1, the symbolic-batch one above; the lm_head is eager and takes
+    its own route."""
     from torch.profiler import ProfilerActivity, profile
 
-    engine.add_request("profiled", _prompts()[1], SamplingParams(max_tokens=6, ignore_eos=True))
+    for i in range(batch):
+        engine.add_request(f"profiled{i}", _prompts()[1 + i], SamplingParams(max_tokens=6, ignore_eos=True))
     for _ in range(3):  # prefill, then decode steps
         engine.step()
     calls = []
@@ -176,16 +179,34 @@ def _matmul_ops_of_one_compiled_step(engine: NativeEngine) -> set[str]:
     while engine.has_unfinished():
         engine.step()
     assert calls, "the step did not run the compiled graph"
-    return {e.key for e in prof.key_averages() if e.key in ("mkldnn::_linear_pointwise", "mkl::_mkl_linear")}
+    return {e.key: e.count for e in prof.key_averages()
+            if e.key in ("mkldnn::_linear_pointwise", "mkl::_mkl_linear", "adaspec::one_row_matmul")}
 
 
 def test_the_compiled_graph_calls_the_matmul_the_measured_route_chose(compiled_on_onednn):
     """Where one-token passes were measured fastest on oneDNN's prepacked matmul, the batch-1
     graph calls it; elsewhere inductor packs the weights itself (MKL's packed sgemm at a fixed
     row count, where torch has MKL)."""
-    assert _matmul_ops_of_one_compiled_step(compiled_on_onednn) == {"mkldnn::_linear_pointwise"}
+    assert set(_matmul_ops_of_one_compiled_step(compiled_on_onednn)) == {"mkldnn::_linear_pointwise"}
     if torch._C.has_mkl:
         assert "mkl::_mkl_linear" in _matmul_ops_of_one_compiled_step(_compiled_on(("gemv", "gemv", "packed"), seed=3))
+
+
+def test_a_graph_compiled_on_the_one_row_route_calls_adaspecs_kernel_and_decodes_exactly():
+    if not cpu_kernels.load():
+        pytest.skip("adaspec's CPU kernels need an x86 CPU with AVX2 and a C++ compiler")
+    # One and two rows on the kernel, wider passes on oneDNN: the graphs split at three rows.
+    engine = _compiled_on(("one_row", "one_row", "one_row", "packed"), seed=5, rows=3)
+    before = _graphs_compiled()
+    assert set(_matmul_ops_of_one_compiled_step(engine)) == {"adaspec::one_row_matmul"}
+    per_step = 4 * engine.model.args.n_layers + 1  # 4 matmuls a layer, and the eager lm_head
+    assert _matmul_ops_of_one_compiled_step(engine, batch=2)["adaspec::one_row_matmul"] == per_step
+    # Three rows: inductor's graph (its oneDNN matmuls) and the lm_head on oneDNN too.
+    assert "adaspec::one_row_matmul" not in _matmul_ops_of_one_compiled_step(engine, batch=3)
+    assert _graphs_compiled() == before, "the warm-up left a row count to compile mid-serving"
+    prompt = _prompts()[2]
+    out = engine.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))[0]
+    assert out == reference_greedy(build_model(tiny_args(vocab_size=64), seed=5, init_std=0.15), prompt, 16)
 
 
 def test_compiled_matmul_path_follows_the_one_token_route_in_float32_only():
@@ -197,3 +218,6 @@ def test_compiled_matmul_path_follows_the_one_token_route_in_float32_only():
     assert compiled_matmul_path(linear, autotune=True) == "inductor"  # inductor times its own kernels
     linear.use(("gemv", "gemv", "packed"))  # wider passes packed, one token not
     assert compiled_matmul_path(linear, autotune=False) == "inductor"
+    linear.use(("one_row", "one_row", "packed"))
+    assert compiled_matmul_path(linear, autotune=False) == "one_row"
+    assert compiled_matmul_path(linear, autotune=True) == "inductor"

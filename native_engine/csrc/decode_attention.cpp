@@ -1,6 +1,6 @@
 // Attention of one new token per sequence over its float32 KV cache (a decode step), for x86
 // CPUs with AVX2 and FMA: torch.ops.adaspec.decode_attention, built at run time by
-// native_engine/decode_attention.py.
+// native_engine/cpu_kernels.py (used by native_engine/decode_attention.py).
 //
 // Why not torch's scaled_dot_product_attention: for one query token its CPU flash kernel runs
 // two small library GEMMs and a masked softmax per (sequence, KV head), and on 2 Zen 2 cores a

@@ -1,7 +1,11 @@
-"""The decode-attention kernel (native_engine/decode_attention.py) against torch's attention:
-every grouped-query layout and head size it takes, rows of uneven length read from strided
-cache views, a negative check that the comparison notices a wrong length, clear errors, and
-an engine whose decode steps run it decoding exactly as recomputation from scratch."""
+"""adaspec's CPU kernels (native_engine/cpu_kernels.py) against torch's.
+
+The decode-attention kernel (native_engine/decode_attention.py): every grouped-query layout
+and head size it takes, rows of uneven length read from strided cache views, a negative check
+that the comparison notices a wrong length, clear errors, one-token passes whose mask is not a
+prefix left to torch, and an engine whose decode steps run it decoding exactly as
+recomputation from scratch. The one-row matmul: against F.linear for 1-4 rows and weights of
+any row count."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from native_engine import decode_attention
+from native_engine import cpu_kernels, decode_attention
 from native_engine.engine import EngineConfig, NativeEngine
 from native_engine.drafters import NgramDrafter
 from native_engine.kv_cache import KVCache
@@ -18,8 +22,8 @@ from native_engine.requests import SamplingParams
 from native_engine.testing import reference_greedy, tiny_args
 from adaspec.policy import SpecPolicy
 
-pytestmark = pytest.mark.skipif(decode_attention.kernel() is None,
-                                reason="the kernel needs an x86 CPU with AVX2 and a C++ compiler")
+pytestmark = pytest.mark.skipif(not cpu_kernels.load(),
+                                reason="the kernels need an x86 CPU with AVX2 and a C++ compiler")
 
 
 def _case(B: int, H: int, Hkv: int, Dh: int, S: int, seed: int = 0):
@@ -143,3 +147,22 @@ def test_an_engine_decoding_with_the_kernel_equals_recomputation(monkeypatch):
     for i, prompt in enumerate(prompts):
         assert outputs[i] == reference_greedy(target, prompt, max_tokens[i]), i
     assert max(calls) == 3  # batches of three rows ran through the kernel
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (13, 64), (1, 8), (49, 1536)])
+def test_the_one_row_matmul_matches_f_linear(rows, out_features, in_features):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=gen)
+    w = torch.randn(out_features, in_features, generator=gen)
+    got = torch.ops.adaspec.one_row_matmul(x, w)
+    torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-4)
+    w[-1, 0] += 1.0  # the last row (a short block's) is read, not skipped
+    assert not torch.allclose(torch.ops.adaspec.one_row_matmul(x, w)[:, -1], got[:, -1])
+
+
+def test_the_one_row_matmul_refuses_what_it_cannot_run():
+    with pytest.raises(RuntimeError, match="multiple of 8, got 12"):
+        torch.ops.adaspec.one_row_matmul(torch.randn(1, 12), torch.randn(4, 12))
+    with pytest.raises(RuntimeError, match="float32 only"):
+        torch.ops.adaspec.one_row_matmul(torch.randn(1, 8).bfloat16(), torch.randn(4, 8).bfloat16())

@@ -1,0 +1,46 @@
+"""adaspec's own CPU kernels (native_engine/csrc/*.cpp), built on first use and loaded as torch ops.
+
+- `torch.ops.adaspec.decode_attention`: a decode step's attention over the float32 KV cache
+  (native_engine/decode_attention.py);
+- `torch.ops.adaspec.one_row_matmul`: the float32 matmul of a one-token pass, streaming the
+  [out, in] weight (`CpuLinear`'s "one_row" path, native_engine/model.py).
+
+C++ with AVX2/FMA intrinsics, compiled once per machine with torch's extension builder (about
+40 s on 2 cores; cached under $TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions, and
+rebuilt when a source or flag changes; scripts/install.sh builds it). Where they cannot run -
+a CPU without AVX2 and FMA, no C++ compiler - `load()` says False and the engine keeps
+torch's attention and matmuls.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.cpp"))
+
+
+@functools.cache
+def load() -> bool:
+    """Build (once per machine) and load the kernels; whether they can run here."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return False
+    try:
+        from torch.utils.cpp_extension import load as build
+
+        # OpenMP: the kernels split their work over torch's threads with at::parallel_for,
+        # which runs serially in an extension built without it.
+        build("adaspec_cpu_kernels", sources=[str(s) for s in SOURCES], is_python_module=False,
+              extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    except Exception as e:  # noqa: BLE001 - a missing compiler or headers: torch's kernels instead
+        logger.warning("adaspec: the CPU kernels did not build (%s: %s); the native engine uses torch's "
+                       "attention and matmuls", type(e).__name__, str(e)[:300])
+        return False
+    torch.library.register_fake("adaspec::one_row_matmul")(
+        lambda x, w: x.new_empty(x.shape[0], w.shape[0]))  # shapes for torch.compile's tracing
+    return True
