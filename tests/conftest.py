@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import os
 import shutil
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -247,11 +249,26 @@ def client(server):
         yield c
 
 
-def pytest_sessionfinish(session):
+def pytest_sessionfinish(session, exitstatus):
     """A run cut short (a failed setup, -x, Ctrl-C) still stops the shared loopback cluster."""
     if _SharedCluster.cluster is not None:
         _SharedCluster.cluster.stop()
         _SharedCluster.cluster = None
+    session.config.adaspec_exit_status = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """End the process with pytest's exit status once everything is reported, skipping the
+    interpreter's teardown: a full run (2026-12-05, 605 passed) died of SIGSEGV after its
+    summary, a background thread calling freed memory while the interpreter shut down
+    (Ray's, vLLM's and torch's threads are all alive then); not reproduced in shorter runs
+    and not root-caused. Every test result and the status are unchanged."""
+    status = getattr(config, "adaspec_exit_status", None)
+    if status is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
 
 
 def pytest_collection_modifyitems(items):
