@@ -35,7 +35,7 @@ fi
 
 "$VENV/bin/adaspec" prepare-models
 
-# adaspec's CPU kernels (native_engine/cpu_kernels.py) are C++ built on first use (about 40 s,
+# adaspec's CPU kernels (native_engine/cpu_kernels.py) are C++ built on first use (about 35 s,
 # then cached); built here, that stays out of the first native replica's start-up.
 "$VENV/bin/python" -c "
 from native_engine import cpu_kernels
