@@ -199,9 +199,12 @@ def main() -> None:
     print(f"[bench] load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} on {host['cores']} cores", flush=True)
 
     print(f"[bench] loading {MODEL} ({args.dtype}, {args.threads} threads), drafter {args.drafter}", flush=True)
-    # Two rows: compile_decode warms up a one-row and a several-row pass.
+    # As many rows as the widest batch below: compile_decode then warms up every graph those
+    # engines run (the compiled passes split where the matmul path changes with the rows).
+    # Warmed up on two rows only, the batch-16 runs compiled their graph mid-run and ran it at
+    # 120.7 ms per step against 82.3 ms warmed up (2026-12-05, AMD EPYC, bench runs minutes apart).
     base = NativeEngine.from_pretrained(MODEL, drafter=args.drafter, draft_model=args.draft_model,
-                                        config=EngineConfig(max_batch_size=2, max_seq_len=MAX_SEQ_LEN),
+                                        config=EngineConfig(max_batch_size=max(2, *batches), max_seq_len=MAX_SEQ_LEN),
                                         dtype=getattr(torch, args.dtype))
     compile_s = None
     if args.compile_decode:  # every engine below shares base.model, so all run compiled

@@ -46,7 +46,7 @@ from native_engine.stats import AcceptanceCounts
 from native_engine.tree import DraftTree, TreeShape, attention_mask, batch_tree_inputs
 from native_engine.verify import Acceptance, accept_greedy, accept_sampled, probs_from_logits
 
-# A verify or prefill pass runs packed (native_engine.model.Packing) when its real tokens fill
+# A verify pass runs packed (native_engine.model.Packing) when its real tokens fill
 # at most this share of the padded [B, T] layout: packing adds a scatter and a gather to every
 # layer, so it is kept for passes with much padding. A chosen value, not a measured break-even.
 PACK_BELOW = 0.75
@@ -343,25 +343,15 @@ class NativeEngine:
         return outs
 
     def _prefill(self, new: list[Request]) -> list[RequestOutput]:
-        """One target pass over the new prompts (right-padded); sample each first token."""
+        """One target pass over the new prompts, one after another; sample each first token."""
         if not new:
             return []
-        lengths = torch.tensor([len(r.prompt) for r in new])
-        T = int(lengths.max())
-        tokens = torch.zeros((len(new), T), dtype=torch.long)
-        for b, req in enumerate(new):
-            tokens[b, : len(req.prompt)] = torch.tensor(req.prompt)
-        pos = torch.arange(T)[None, :].expand(len(new), T)
-        mask = attention_mask(causal_mask(lengths, T)[:, 0], torch.zeros_like(lengths), T)
+        lengths = [len(r.prompt) for r in new]
         dev = self.device
-        # Prompts of uneven length: the matmuls see only the real tokens (most of a prefill's work).
-        real = torch.cat([b * T + torch.arange(n) for b, n in enumerate(lengths.tolist())])
-        packed = Packing(real.to(dev), len(new), T) if len(real) <= PACK_BELOW * len(new) * T else None
-        hidden = self.model(tokens.to(dev), pos.to(dev), mask.to(dev), self.cache, new[0].row, pos.to(dev), T, packed)
-        if packed is not None:  # [1, N, D] in prompt order: each prompt's last token ends its run
-            last = hidden[0, (torch.cumsum(lengths, 0) - 1).to(dev)]
-        else:
-            last = hidden[torch.arange(len(new), device=dev), (lengths - 1).to(dev)]
+        tokens = torch.tensor([t for r in new for t in r.prompt], device=dev)[None]  # [1, N]
+        pos = torch.cat([torch.arange(n) for n in lengths]).to(dev)[None]
+        hidden = self.model(tokens, pos, None, self.cache, new[0].row, prompt_lengths=tuple(lengths))
+        last = hidden[0, (torch.tensor(lengths).cumsum(0) - 1).to(dev)]  # each prompt's last token
         logits = self.model.logits(last)  # [P, V]
         argmax = logits.argmax(-1).tolist()
         outs = []

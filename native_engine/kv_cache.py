@@ -69,6 +69,16 @@ class KVCache:
         end = row_start + B
         return self.k[layer, row_start:end, :, :key_len], self.v[layer, row_start:end, :, :key_len]
 
+    def write_prompts(self, layer: int, row_start: int, lengths: tuple[int, ...], k: torch.Tensor,
+                      v: torch.Tensor) -> None:
+        """Write a prefill's k, v [1, N, Hkv, Dh], its prompts' tokens one after another
+        (N = sum(lengths)): row row_start + b gets the next lengths[b] at positions 0.."""
+        start = 0
+        for b, n in enumerate(lengths):
+            self.k[layer, row_start + b, :, :n] = k[0, start:start + n].transpose(0, 1)
+            self.v[layer, row_start + b, :, :n] = v[0, start:start + n].transpose(0, 1)
+            start += n
+
     def keep_path(self, row: int, start: int, path: list[int]) -> None:
         """Make cache positions start + path[i] contiguous at start + i (all layers).
 

@@ -214,7 +214,10 @@ class ForwardInputs:
     Without a cache, the tokens attend among themselves (S = T).
     one_token_keys [B] int64: set when a one-token pass runs the decode-attention kernel
     (native_engine/decode_attention.py): how many cache positions each row's token attends,
-    a prefix of its row (`prefix_lengths`)."""
+    a prefix of its row (`prefix_lengths`).
+    prompt_lengths: set for a prefill (`prompt_attention`): the pass's tokens [1, N] are
+    prompts of these lengths one after another, for cache rows row_start.. at positions 0..;
+    mask and write_pos are then unused."""
 
     mask: torch.Tensor | None
     cache: KVCache | None
@@ -222,6 +225,7 @@ class ForwardInputs:
     write_pos: torch.Tensor | None
     key_len: int
     one_token_keys: torch.Tensor | None = None
+    prompt_lengths: tuple[int, ...] | None = None
 
 
 # Compiled (compile_decode), a batch-1 pass of up to this many tokens runs the compiled graph:
@@ -235,6 +239,8 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: i
     """Write k, v [B, T, Hkv, Dh] to the cache of the forward in progress, then attention of
     the (rotated) queries q [B, T, H, Dh] over its keys. Returns [B, T, H * Dh]."""
     s: ForwardInputs = _forward.inputs
+    if s.prompt_lengths is not None:
+        return prompt_attention(q, k, v, layer, s)
     if s.cache is None:
         keys, values = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, Dh]
     else:
@@ -243,6 +249,33 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: i
     if s.one_token_keys is not None:
         return decode_attention.decode_attention(q[:, 0], keys, values, s.one_token_keys).view(B, T, H * Dh)
     return attend(q.transpose(1, 2), keys, values, s.mask).transpose(1, 2).reshape(B, T, H * Dh)
+
+
+def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, s: ForwardInputs
+                     ) -> torch.Tensor:
+    """A prefill's attention: q, k, v [1, N, heads, Dh], the prompts' tokens one after another;
+    each prompt's go to its cache row and attend causally among themselves. Returns [1, N, H * Dh].
+
+    Prompt by prompt with `is_causal` rather than the prompts padded to one length under a mask:
+    no work on pad tokens (RoPE, cache writes, attention), and torch's kernel skips the key
+    blocks past the diagonal. A prompt's prefill is then the same computation whichever
+    prompts share its pass."""
+    _, N, H, Dh = q.shape
+    if s.cache is not None:
+        s.cache.write_prompts(layer, s.row_start, s.prompt_lengths, k, v)
+    out = q.new_empty(1, N, H, Dh)
+    start = 0
+    for b, n in enumerate(s.prompt_lengths):
+        if s.cache is not None:  # what was just written: [1, Hkv, n, Dh]
+            keys = s.cache.k[layer, s.row_start + b, None, :, :n]
+            values = s.cache.v[layer, s.row_start + b, None, :, :n]
+        else:
+            keys, values = (x[:, start:start + n].transpose(1, 2) for x in (k, v))
+        out[:, start:start + n] = F.scaled_dot_product_attention(
+            q[:, start:start + n].transpose(1, 2), keys, values, is_causal=True,
+            enable_gqa=H > keys.shape[1]).transpose(1, 2)
+        start += n
+    return out.view(1, N, H * Dh)
 
 
 # How vLLM compiles a model around its attention (its unified_attention op reads a forward
@@ -420,9 +453,10 @@ class Transformer(nn.Module):
             self._rope = (cos.to(w.dtype), signed_sin(sin).to(w.dtype))
         return self._rope
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
                 cache: KVCache | None = None, row_start: int = 0, write_pos: torch.Tensor | None = None,
-                key_len: int = 0, packed: Packing | None = None) -> torch.Tensor:
+                key_len: int = 0, packed: Packing | None = None,
+                prompt_lengths: tuple[int, ...] | None = None) -> torch.Tensor:
         """Hidden states [B, T, D] of `tokens` [B, T]; with `packed`, of its real tokens only
         [1, N, D] (in the order of `packed.real`).
 
@@ -432,20 +466,26 @@ class Transformer(nn.Module):
         cache, row_start, write_pos [B, T], key_len: the new keys/values are written to cache
         positions `write_pos` of cache rows row_start .. row_start + B - 1, then attention reads
         those rows' cache positions [0, key_len).
+        prompt_lengths: a prefill, tokens [1, N] being prompts of these lengths one after another
+            (positions 0.. each), written to cache rows row_start..; mask, write_pos, key_len
+            and packed unused (ForwardInputs, prompt_attention).
         """
         cos_t, sin_t = self.rope(int(positions.max()) + 1)
         # [B, T, 1, Dh], gathered once for every layer; RoPE runs in the padded layout.
         cos, sin = cos_t[positions].unsqueeze(2), sin_t[positions].unsqueeze(2)
         one_token_keys = None
-        if cache is not None and tokens.shape[1] == 1 and self.uses_decode_kernel():
+        if prompt_lengths is not None:
+            mask, packed = None, None
+        elif cache is not None and tokens.shape[1] == 1 and self.uses_decode_kernel():
             one_token_keys = prefix_lengths(mask, key_len, tokens.shape[0])
-        if cache is not None and self.lm_head.weight.dtype != torch.float32:
+        if cache is not None and prompt_lengths is None and self.lm_head.weight.dtype != torch.float32:
             mask, key_len = whole_key_blocks(mask, key_len, tokens.device)
         if mask is not None and mask.dtype == torch.bool:
             # Additive (0 / -inf), once per pass: the attention kernel would convert a bool mask in every layer.
             mask = torch.zeros(mask.shape, dtype=self.lm_head.weight.dtype, device=mask.device).masked_fill_(
                 ~mask, float("-inf"))
-        _forward.inputs = ForwardInputs(mask, cache, row_start, write_pos, key_len, one_token_keys)
+        _forward.inputs = ForwardInputs(mask, cache, row_start, write_pos, key_len, one_token_keys,
+                                        prompt_lengths)
         try:
             if self.compiled_decode is not None and packed is None and (
                     tokens.shape[1] == 1 or (tokens.shape[0] == 1 and tokens.shape[1] <= COMPILED_TOKENS_AT_BATCH_1)):

@@ -151,27 +151,33 @@ def _recomputed_kv(model, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor
     return cache.k[:, 0, :, :T], cache.v[:, 0, :, :T]
 
 
-def test_prompts_of_uneven_length_prefill_packed_as_if_alone(target, monkeypatch):
-    """Two prompts admitted in one step run their prefill packed (the matmuls see only real
-    tokens): each one's first token and cached keys/values equal its prefill alone."""
-    from native_engine.model import Packing
+def test_prompts_of_uneven_length_prefill_one_after_another_as_if_alone(target, monkeypatch):
+    """Two prompts admitted in one step run one prefill pass, their tokens one after another
+    (no padding; attention prompt by prompt): each one's first token and cached keys/values
+    equal its prefill alone and a recomputation under the causal mask."""
+    from native_engine import model as model_module
 
-    packs = []
-    monkeypatch.setattr(Packing, "pack", lambda self, x, _pack=Packing.pack: packs.append(self) or _pack(self, x))
-    prompts = [[5, 9, 2], [7, 1, 4, 4, 8, 3, 6, 2, 9, 9, 1, 5, 3, 7, 2, 8, 6]]  # 20 real of 34 padded tokens
+    seen = []
+    monkeypatch.setattr(model_module, "prompt_attention",
+                        lambda q, *a, _f=model_module.prompt_attention: seen.append(q.shape[1]) or _f(q, *a))
+    prompts = [[5, 9, 2], [7, 1, 4, 4, 8, 3, 6, 2, 9, 9, 1, 5, 3, 7, 2, 8, 6]]
     together = NativeEngine(target, None, EngineConfig(max_batch_size=2, max_seq_len=96), SpecPolicy.parse("off"))
     for i, p in enumerate(prompts):
         together.add_request(str(i), p, SamplingParams(max_tokens=4))
     firsts = {o.request_id: o.new_token_ids for o in together.step()}
-    assert packs and packs[0].batch == 2 and len(packs[0].real) == 20, "the prefill did not run packed"
+    assert seen == [20] * target.args.n_layers, "the prefill did not run as one pass of 20 tokens"
     for i, p in enumerate(prompts):
         alone = NativeEngine(target, None, EngineConfig(max_batch_size=1, max_seq_len=96), SpecPolicy.parse("off"))
         alone.add_request("a", p, SamplingParams(max_tokens=4))
         (out,) = alone.step()
         assert firsts[str(i)] == out.new_token_ids == reference_greedy(target, p, 1)
         row = next(r.row for r in together.running if r.request_id == str(i))
-        for cache_t, alone_t in ((together.cache.k, alone.cache.k), (together.cache.v, alone.cache.v)):
+        k, v = _recomputed_kv(target, p)
+        for cache_t, alone_t, masked in ((together.cache.k, alone.cache.k, k), (together.cache.v, alone.cache.v, v)):
             assert torch.allclose(cache_t[:, row, :, :len(p)], alone_t[:, 0, :, :len(p)], atol=1e-6)
+            assert torch.allclose(cache_t[:, row, :, :len(p)], masked, atol=1e-5)
+        # Past the prompt, the row holds nothing of the other prompt (no pad tokens written).
+        assert not together.cache.k[:, row, :, len(p):].any()
 
 @pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
 def test_kv_cache_after_rejections_equals_recomputation(target, draft, prompts, drafter):
