@@ -3,7 +3,7 @@
 For each dtype (float32, and bfloat16 where oneDNN runs it), the default model at batch 1 with
 no speculation, greedy: the median step time over `--steps` decode steps, then a
 torch.profiler profile of as many more, its ops grouped into
-- matmuls (the linears: oneDNN's packed matmul, a BLAS gemv, adaspec's one-row kernel, or compiled, MKL's packed sgemm),
+- matmuls (the linears: oneDNN's packed matmul, a BLAS gemv, adaspec's panel kernel, or compiled, MKL's packed sgemm),
 - attention (scaled_dot_product_attention, and adaspec::decode_attention: the decode-attention kernel),
 - other ops (RMSNorm, RoPE, KV-cache writes, activations, residual adds, views, copies),
 - outside any op: Python, the engine's scheduling, sampling (the profiled step's wall time
@@ -54,7 +54,7 @@ from native_engine.requests import SamplingParams
 
 MODEL = "smollm2-135m-instruct"
 PROMPT = "Write a long story about a dragon who learns to read, told by the dragon."
-MATMUL_OPS = {"mkldnn::_linear_pointwise", "mkl::_mkl_linear", "adaspec::one_row_matmul", "aten::mm", "aten::addmm",
+MATMUL_OPS = {"mkldnn::_linear_pointwise", "mkl::_mkl_linear", "adaspec::panel_matmul", "aten::mm", "aten::addmm",
               "aten::bmm", "aten::mv", "aten::addmv", "aten::dot"}
 PARTS = ("matmul", "attention", "other ops", "outside ops")
 BF16_GOAL = 1.6  # issue 19: batch-1 decode in bfloat16 at least 1.6x float32's tokens/s

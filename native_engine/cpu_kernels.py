@@ -2,8 +2,9 @@
 
 - `torch.ops.adaspec.decode_attention`: a decode step's attention over the float32 KV cache
   (native_engine/decode_attention.py);
-- `torch.ops.adaspec.one_row_matmul`: the float32 matmul of a one-token pass, streaming the
-  [out, in] weight (`CpuLinear`'s "one_row" path, native_engine/model.py).
+- `torch.ops.adaspec.panel_matmul`: the float32 matmul of a pass of a few tokens (a decode
+  step of 1-16 sequences, a short verify pass), streaming the weight held in panels of 16
+  output features (`CpuLinear`'s "panels" path, native_engine/model.py).
 
 C++ with AVX2/FMA intrinsics, compiled once per machine with torch's extension builder (about
 35 s on 2 cores; cached under $TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions, and
@@ -43,6 +44,6 @@ def load() -> bool:
         logger.warning("adaspec: the CPU kernels did not build (%s: %s); the native engine uses torch's "
                        "attention and matmuls", type(e).__name__, str(e)[:300])
         return False
-    torch.library.register_fake("adaspec::one_row_matmul")(
-        lambda x, w: x.new_empty(x.shape[0], w.shape[0]))  # shapes for torch.compile's tracing
+    torch.library.register_fake("adaspec::panel_matmul")(
+        lambda x, w: x.new_empty(x.shape[0], w.shape[0] * w.shape[2]))  # shapes for torch.compile's tracing
     return True

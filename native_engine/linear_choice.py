@@ -5,9 +5,9 @@ A `CpuLinear` (native_engine/model.py) can run its weight four ways:
 - "linear": the usual [out, in] layout, `F.linear` (MKL's sgemm on a transposed operand, which
   at 2-3 rows streams each weight row once for all of them: chain1/chain2 verify passes);
 - "packed": oneDNN's prepacked blocked layout (verify passes, batches, prefill);
-- "one_row": adaspec's own float32 kernel on the [out, in] layout (native_engine/cpu_kernels.py),
-  where it builds: on 2 AMD EPYC (Zen 2) cores it streamed one row's weights at 25-26 GB/s
-  against 16 GB/s for oneDNN's packed matmul.
+- "panels": adaspec's own float32 kernel on the weight in panels of 16 output features
+  (native_engine/cpu_kernels.py), where it builds: on 2 AMD EPYC (Zen 2) cores 1.3-1.5x
+  faster than oneDNN's packed matmul at 1-16 rows.
 Which is fastest depends on the CPU, its BLAS, the dtype, the model's shapes and the number
 of rows: on this project's 2-core machine "gemv" and "packed" have each won at one token on
 different days, and "linear" beat both by 15% at 2-3 rows in float32 and lost everywhere in
@@ -31,8 +31,9 @@ import torch
 
 from adaspec.models import cache_dir
 
-PATHS = ("gemv", "linear", "packed", "one_row")
-TOKEN_COUNTS = (1, 2, 3, 4, 8)  # tokens per pass that are timed (a batch-1 decode, short verify passes)
+PATHS = ("gemv", "linear", "packed", "panels")
+# Tokens per pass that are timed: a batch-1 decode, short verify passes, decode steps of up to 16 sequences.
+TOKEN_COUNTS = (1, 2, 3, 4, 8, 16)
 REPS = 3  # timed forwards per path and token count, after one warm-up each
 
 
@@ -114,9 +115,9 @@ def write_cached(name: str, key: str, entry: dict) -> None:
 
 
 def paths_for(linears: list) -> tuple[str, ...]:
-    """The paths every one of `linears` can take here: adaspec's "one_row" kernel only where it
-    builds and takes every weight (float32, in-features a multiple of 8)."""
-    return tuple(p for p in PATHS if p != "one_row" or all(m.runs_one_row() for m in linears))
+    """The paths every one of `linears` can take here: adaspec's "panels" kernel only where it
+    builds and takes every weight (float32, out features a multiple of 16)."""
+    return tuple(p for p in PATHS if p != "panels" or all(m.runs_panels() for m in linears))
 
 
 def choose(model, linears: list, key: str) -> LinearChoice:

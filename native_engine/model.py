@@ -258,19 +258,16 @@ def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: i
 
     Prompt by prompt with `is_causal` rather than the prompts padded to one length under a mask:
     no work on pad tokens (RoPE, cache writes, attention), and torch's kernel skips the key
-    blocks past the diagonal. A prompt's prefill is then the same computation whichever
-    prompts share its pass."""
+    blocks past the diagonal. A prompt's attention is then the same computation whichever
+    prompts share its pass. (2026-12-05, AMD EPYC, 16 HumanEval prompts of 1,634 tokens: the
+    prefill 1.03-1.07x faster, 4 prompts 1.09-1.12x; docs/native-engine.md, "Prefill".)"""
     _, N, H, Dh = q.shape
-    if s.cache is not None:
-        s.cache.write_prompts(layer, s.row_start, s.prompt_lengths, k, v)
+    s.cache.write_prompts(layer, s.row_start, s.prompt_lengths, k, v)
     out = q.new_empty(1, N, H, Dh)
     start = 0
     for b, n in enumerate(s.prompt_lengths):
-        if s.cache is not None:  # what was just written: [1, Hkv, n, Dh]
-            keys = s.cache.k[layer, s.row_start + b, None, :, :n]
-            values = s.cache.v[layer, s.row_start + b, None, :, :n]
-        else:
-            keys, values = (x[:, start:start + n].transpose(1, 2) for x in (k, v))
+        keys = s.cache.k[layer, s.row_start + b, None, :, :n]  # what was just written: [1, Hkv, n, Dh]
+        values = s.cache.v[layer, s.row_start + b, None, :, :n]
         out[:, start:start + n] = F.scaled_dot_product_attention(
             q[:, start:start + n].transpose(1, 2), keys, values, is_causal=True,
             enable_gqa=H > keys.shape[1]).transpose(1, 2)
@@ -467,8 +464,8 @@ class Transformer(nn.Module):
         positions `write_pos` of cache rows row_start .. row_start + B - 1, then attention reads
         those rows' cache positions [0, key_len).
         prompt_lengths: a prefill, tokens [1, N] being prompts of these lengths one after another
-            (positions 0.. each), written to cache rows row_start..; mask, write_pos, key_len
-            and packed unused (ForwardInputs, prompt_attention).
+            (positions 0.. each), written to cache rows row_start.. (a cache is needed); mask,
+            write_pos, key_len and packed unused (ForwardInputs, prompt_attention).
         """
         cos_t, sin_t = self.rope(int(positions.max()) + 1)
         # [B, T, 1, Dh], gathered once for every layer; RoPE runs in the padded layout.
@@ -547,7 +544,7 @@ class Transformer(nn.Module):
         for m in self.modules():
             if isinstance(m, CpuLinear):
                 m.graph_path = compiled_matmul_path(m, autotune)
-                m.graph_rows = one_row_rows(m.route)
+                m.graph_rows = panel_rows(m.route)
         # Dynamo keeps its graphs per code object, and with the module guards skipped (they would
         # be checked on every call) it would hand this model a graph compiled for another model
         # of the same shapes in the process, with that model's frozen weights: each model
@@ -574,7 +571,7 @@ class Transformer(nn.Module):
         """Row counts where the compiled passes change matmul path (see CpuLinear.forward): a
         pass of that many rows or tokens compiles a graph of its own, so the warm-up runs one."""
         return sorted({m.graph_rows + 1 for m in self.modules()
-                       if isinstance(m, CpuLinear) and m.graph_path == "one_row" and m.graph_rows > 1})
+                       if isinstance(m, CpuLinear) and m.graph_path == "panels" and m.graph_rows > 1})
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [..., V] of hidden states [..., D]."""
@@ -632,10 +629,11 @@ class CpuLinear(nn.Module):
     - "packed": oneDNN's blocked layout, prepacked once (`torch.ops.mkldnn`, as vLLM-cpu and
       torch.compile's CPU backend do) for wider passes (verify passes, batches, prefill);
       without oneDNN (or bfloat16 without oneDNN's bf16) the input-major weight again;
-    - "one_row": adaspec's own kernel on the [out, in] copy (`torch.ops.adaspec.one_row_matmul`,
-      native_engine/cpu_kernels.py; float32, AVX2): streams the weight at close to the
-      memory's rate for one row, where the libraries' kernels reach about 60% of it on some
-      CPUs (docs/native-engine.md, "The one-row matmul").
+    - "panels": adaspec's own kernel (`torch.ops.adaspec.panel_matmul`,
+      native_engine/cpu_kernels.py; float32, AVX2, out features a multiple of 16) on a copy in
+      panels of 16 output features [out / 16, in, 16]: streams the weight at close to the
+      memory's rate for 1-16 rows, where the libraries' kernels reach about 60% of it at one
+      row on some CPUs (docs/native-engine.md, "The panel matmul").
     `route[r]` names the path of a pass of r rows (the last entry: every wider pass); it is
     measured per machine and model when the model is prepared for serving. Two or three
     copies of the weight: meant for the small models a CPU serves. `weight` is the usual
@@ -646,31 +644,37 @@ class CpuLinear(nn.Module):
         w = linear.weight.detach()
         self.weight_t = nn.Parameter(w.t().contiguous(), requires_grad=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
-        self.weight_out_in: torch.Tensor | None = None  # the "linear" and "one_row" paths' copy, where used
+        self.weight_out_in: torch.Tensor | None = None  # the "linear" path's copy, where used
+        self.weight_panels: torch.Tensor | None = None  # the "panels" path's copy, where used
         self.packed = None
         if torch.backends.mkldnn.is_available() and (
                 w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 16)
         self.route: tuple[str, ...] = ("gemv", "gemv", "packed")  # until measured: gemv at one row
         # What a compiled pass calls (Transformer.compile_decode): "packed", oneDNN's matmul on
-        # the prepacked weight, "one_row", adaspec's kernel, or "inductor", the weight left for
+        # the prepacked weight, "panels", adaspec's kernel, or "inductor", the weight left for
         # inductor to lay out itself.
         self.graph_path = "inductor"
-        self.graph_rows = 1  # "one_row": the widest compiled pass that takes it (one_row_rows)
+        self.graph_rows = 1  # "panels": the widest compiled pass that takes it (panel_rows)
 
     @property
     def weight(self) -> torch.Tensor:
         return self.weight_t.t()
 
     def use(self, route: tuple[str, ...]) -> None:
-        """Take the paths of `route` (see the class docstring); makes or frees the [out, in] copy."""
+        """Take the paths of `route` (see the class docstring); makes or frees the [out, in] and
+        panel copies."""
         if self.packed is None:
             route = tuple("gemv" if path == "packed" else path for path in route)
-        out_in = "linear" in route or "one_row" in route
-        if out_in and self.weight_out_in is None:
+        if "linear" in route and self.weight_out_in is None:
             self.weight_out_in = self.weight_t.t().contiguous()
-        elif not out_in:
+        elif "linear" not in route:
             self.weight_out_in = None
+        if "panels" in route and self.weight_panels is None:
+            n_in, n_out = self.weight_t.shape  # [in, out] -> [out / 16, in, 16]
+            self.weight_panels = self.weight_t.view(n_in, n_out // 16, 16).transpose(0, 1).contiguous()
+        elif "panels" not in route:
+            self.weight_panels = None
         self.route = route
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -685,11 +689,11 @@ class CpuLinear(nn.Module):
             # symbolic size as an int.)
             if self.graph_path == "packed" and x.numel() == x.shape[-1]:
                 return self._packed(x, 1)
-            # "one_row": every graph of at most `graph_rows` rows. On a symbolic row count the
+            # "panels": every graph of at most `graph_rows` rows. On a symbolic row count the
             # comparison is a guard, so graphs split there: passes of 2..graph_rows rows and
             # of more compile apart (Transformer.compile_decode warms both up).
-            if self.graph_path == "one_row" and rows <= self.graph_rows:
-                return self._one_row(x, rows)
+            if self.graph_path == "panels" and rows <= self.graph_rows:
+                return self._panels(x, rows)
             return self._gemv(x)  # a frozen constant that inductor prepacks itself
         rows = x.numel() // x.shape[-1]
         path = self.route[min(rows, len(self.route) - 1)]
@@ -697,8 +701,8 @@ class CpuLinear(nn.Module):
             return self._packed(x, rows)
         if path == "linear" and self.weight_out_in is not None:
             return self._linear(x)
-        if path == "one_row" and self.weight_out_in is not None:
-            return self._one_row(x, rows)
+        if path == "panels" and self.weight_panels is not None:
+            return self._panels(x, rows)
         return self._gemv(x)
 
     def _gemv(self, x: torch.Tensor) -> torch.Tensor:
@@ -712,37 +716,37 @@ class CpuLinear(nn.Module):
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), self.packed, self.bias, "none", [], "")
         return y.view(*x.shape[:-1], y.shape[-1])
 
-    def _one_row(self, x: torch.Tensor, rows: int) -> torch.Tensor:
-        y = torch.ops.adaspec.one_row_matmul(x.reshape(rows, x.shape[-1]).contiguous(), self.weight_out_in)
+    def _panels(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        y = torch.ops.adaspec.panel_matmul(x.reshape(rows, x.shape[-1]).contiguous(), self.weight_panels)
         y = y.view(*x.shape[:-1], y.shape[-1])
         return y if self.bias is None else y + self.bias
 
-    def runs_one_row(self) -> bool:
-        """Whether adaspec's one-row kernel takes this weight: float32, in-features a multiple
-        of 8, on a CPU where the kernels built (native_engine/cpu_kernels.py)."""
+    def runs_panels(self) -> bool:
+        """Whether adaspec's panel kernel takes this weight: float32, out features a multiple
+        of 16, on a CPU where the kernels built (native_engine/cpu_kernels.py)."""
         w = self.weight_t
-        return w.dtype == torch.float32 and w.shape[0] % 8 == 0 and cpu_kernels.load()
+        return w.dtype == torch.float32 and w.shape[1] % 16 == 0 and cpu_kernels.load()
 
 
 def compiled_matmul_path(linear: CpuLinear, autotune: bool) -> str:
     """What `linear` calls in a compiled pass of fixed rows: "packed" (oneDNN's matmul on the
-    prepacked weight) or "one_row" (adaspec's kernel) where the measured route sends one-token
+    prepacked weight) or "panels" (adaspec's kernel) where the measured route sends one-token
     passes there, else "inductor" (inductor lays the frozen weight out itself). Only float32
     changes: for bfloat16 inductor picks oneDNN anyway, and with `autotune` it times its own
     kernels against the library's."""
     one_token = linear.route[1]
     usable = ((one_token == "packed" and linear.packed is not None)
-              or (one_token == "one_row" and linear.weight_out_in is not None))
+              or (one_token == "panels" and linear.weight_panels is not None))
     return one_token if usable and linear.weight_t.dtype == torch.float32 and not autotune else "inductor"
 
 
-def one_row_rows(route: tuple[str, ...]) -> int:
-    """The widest pass `route` runs on "one_row" from one row up (0: none); every wider pass
+def panel_rows(route: tuple[str, ...]) -> int:
+    """The widest pass `route` runs on "panels" from one row up (0: none); every wider pass
     takes another path."""
-    if route[-1] == "one_row":
+    if route[-1] == "panels":
         return 1 << 40  # every pass
     rows = 0
-    while rows + 1 < len(route) - 1 and route[rows + 1] == "one_row":
+    while rows + 1 < len(route) - 1 and route[rows + 1] == "panels":
         rows += 1
     return rows
 

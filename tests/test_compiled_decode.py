@@ -180,7 +180,7 @@ def _matmul_ops_of_one_compiled_step(engine: NativeEngine, batch: int = 1) -> di
         engine.step()
     assert calls, "the step did not run the compiled graph"
     return {e.key: e.count for e in prof.key_averages()
-            if e.key in ("mkldnn::_linear_pointwise", "mkl::_mkl_linear", "adaspec::one_row_matmul")}
+            if e.key in ("mkldnn::_linear_pointwise", "mkl::_mkl_linear", "adaspec::panel_matmul")}
 
 
 def test_the_compiled_graph_calls_the_matmul_the_measured_route_chose(compiled_on_onednn):
@@ -192,17 +192,17 @@ def test_the_compiled_graph_calls_the_matmul_the_measured_route_chose(compiled_o
         assert "mkl::_mkl_linear" in _matmul_ops_of_one_compiled_step(_compiled_on(("gemv", "gemv", "packed"), seed=3))
 
 
-def test_a_graph_compiled_on_the_one_row_route_calls_adaspecs_kernel_and_decodes_exactly():
+def test_a_graph_compiled_on_the_panels_route_calls_adaspecs_kernel_and_decodes_exactly():
     if not cpu_kernels.load():
         pytest.skip("adaspec's CPU kernels need an x86 CPU with AVX2 and a C++ compiler")
     # One and two rows on the kernel, wider passes on oneDNN: the graphs split at three rows.
-    engine = _compiled_on(("one_row", "one_row", "one_row", "packed"), seed=5, rows=3)
+    engine = _compiled_on(("panels", "panels", "panels", "packed"), seed=5, rows=3)
     before = _graphs_compiled()
-    assert set(_matmul_ops_of_one_compiled_step(engine)) == {"adaspec::one_row_matmul"}
+    assert set(_matmul_ops_of_one_compiled_step(engine)) == {"adaspec::panel_matmul"}
     per_step = 4 * engine.model.args.n_layers + 1  # 4 matmuls a layer, and the eager lm_head
-    assert _matmul_ops_of_one_compiled_step(engine, batch=2)["adaspec::one_row_matmul"] == per_step
+    assert _matmul_ops_of_one_compiled_step(engine, batch=2)["adaspec::panel_matmul"] == per_step
     # Three rows: inductor's graph (its oneDNN matmuls) and the lm_head on oneDNN too.
-    assert "adaspec::one_row_matmul" not in _matmul_ops_of_one_compiled_step(engine, batch=3)
+    assert "adaspec::panel_matmul" not in _matmul_ops_of_one_compiled_step(engine, batch=3)
     assert _graphs_compiled() == before, "the warm-up left a row count to compile mid-serving"
     prompt = _prompts()[2]
     out = engine.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))[0]
@@ -210,7 +210,7 @@ def test_a_graph_compiled_on_the_one_row_route_calls_adaspecs_kernel_and_decodes
 
 
 def test_compiled_matmul_path_follows_the_one_token_route_in_float32_only():
-    linear = CpuLinear(torch.nn.Linear(16, 8, bias=False))
+    linear = CpuLinear(torch.nn.Linear(16, 16, bias=False))
     if linear.packed is None:
         pytest.skip("no oneDNN in this torch build")
     linear.use(("packed", "packed"))
@@ -218,6 +218,6 @@ def test_compiled_matmul_path_follows_the_one_token_route_in_float32_only():
     assert compiled_matmul_path(linear, autotune=True) == "inductor"  # inductor times its own kernels
     linear.use(("gemv", "gemv", "packed"))  # wider passes packed, one token not
     assert compiled_matmul_path(linear, autotune=False) == "inductor"
-    linear.use(("one_row", "one_row", "packed"))
-    assert compiled_matmul_path(linear, autotune=False) == "one_row"
+    linear.use(("panels", "panels", "packed"))
+    assert compiled_matmul_path(linear, autotune=False) == "panels"
     assert compiled_matmul_path(linear, autotune=True) == "inductor"

@@ -4,8 +4,8 @@ The decode-attention kernel (native_engine/decode_attention.py): every grouped-q
 and head size it takes, rows of uneven length read from strided cache views, a negative check
 that the comparison notices a wrong length, clear errors, one-token passes whose mask is not a
 prefix left to torch, and an engine whose decode steps run it decoding exactly as
-recomputation from scratch. The one-row matmul: against F.linear for 1-4 rows and weights of
-any row count."""
+recomputation from scratch. The panel matmul: against F.linear for 1-16 rows (every count of
+rows past the last block of six), the weight's layout read as documented."""
 
 from __future__ import annotations
 
@@ -149,20 +149,27 @@ def test_an_engine_decoding_with_the_kernel_equals_recomputation(monkeypatch):
     assert max(calls) == 3  # batches of three rows ran through the kernel
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
-@pytest.mark.parametrize("out_features,in_features", [(960, 576), (13, 64), (1, 8), (49, 1536)])
-def test_the_one_row_matmul_matches_f_linear(rows, out_features, in_features):
+def _panels(w: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> the kernel's [out / 16, in, 16]."""
+    return w.t().reshape(w.shape[1], w.shape[0] // 16, 16).transpose(0, 1).contiguous()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 11, 12, 16])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (16, 7), (48, 1536)])
+def test_the_panel_matmul_matches_f_linear(rows, out_features, in_features):
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, in_features, generator=gen)
     w = torch.randn(out_features, in_features, generator=gen)
-    got = torch.ops.adaspec.one_row_matmul(x, w)
+    got = torch.ops.adaspec.panel_matmul(x, _panels(w))
     torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-4)
-    w[-1, 0] += 1.0  # the last row (a short block's) is read, not skipped
-    assert not torch.allclose(torch.ops.adaspec.one_row_matmul(x, w)[:, -1], got[:, -1])
+    w[-1, -1] += 1.0  # the last output's last weight is read
+    assert not torch.allclose(torch.ops.adaspec.panel_matmul(x, _panels(w))[:, -1], got[:, -1])
+    x[-1, 0] += 1.0  # and the last row of x
+    assert not torch.allclose(torch.ops.adaspec.panel_matmul(x, _panels(w))[-1], got[-1])
 
 
-def test_the_one_row_matmul_refuses_what_it_cannot_run():
-    with pytest.raises(RuntimeError, match="multiple of 8, got 12"):
-        torch.ops.adaspec.one_row_matmul(torch.randn(1, 12), torch.randn(4, 12))
+def test_the_panel_matmul_refuses_what_it_cannot_run():
+    with pytest.raises(RuntimeError, match=r"w \[N / 16, K, 16\]"):
+        torch.ops.adaspec.panel_matmul(torch.randn(1, 12), torch.randn(4, 12))
     with pytest.raises(RuntimeError, match="float32 only"):
-        torch.ops.adaspec.one_row_matmul(torch.randn(1, 8).bfloat16(), torch.randn(4, 8).bfloat16())
+        torch.ops.adaspec.panel_matmul(torch.randn(1, 8).bfloat16(), torch.randn(1, 8, 16).bfloat16())

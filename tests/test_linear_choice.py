@@ -43,7 +43,7 @@ def _linears(model) -> list[CpuLinear]:
 
 
 def _skip_without_kernels(path: str) -> None:
-    if path == "one_row" and not cpu_kernels.load():
+    if path == "panels" and not cpu_kernels.load():
         pytest.skip("adaspec's CPU kernels need an x86 CPU with AVX2 and a C++ compiler")
 
 
@@ -115,7 +115,7 @@ def test_every_path_gives_the_same_logits():
             out[path] = model.logits(model(tokens, pos, causal_mask(torch.tensor([3]), 3)))
     assert torch.allclose(out["gemv"], out["packed"], atol=1e-5)
     assert torch.allclose(out["gemv"], out["linear"], atol=1e-5)
-    assert torch.allclose(out["gemv"], out["one_row"], atol=1e-5)
+    assert torch.allclose(out["gemv"], out["panels"], atol=1e-5)
 
 
 def _tiny_folder(folder):

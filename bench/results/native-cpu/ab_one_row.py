@@ -6,6 +6,9 @@ calls the route's matmul), median decode step (30 steps, one prompt repeated per
 batch 1, 4 and 16 in 3 interleaved rounds; greedy tokens compared.
 
     PYTHONPATH=. .venv/bin/python bench/results/native-cpu/ab_one_row.py
+
+Ran at commit bd28e15; the one-row kernel was replaced later that day by the panel kernel,
+which this script no longer finds (its successor: ab_panels.py).
 """
 
 import torch
