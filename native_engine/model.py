@@ -468,7 +468,7 @@ class Transformer(nn.Module):
             write_pos, key_len and packed unused (ForwardInputs, prompt_attention).
         """
         cos_t, sin_t = self.rope(int(positions.max()) + 1)
-        # [B, T, 1, Dh], gathered once for every layer; RoPE runs in the padded layout.
+        # [B, T, 1, Dh], gathered once for every layer; RoPE runs in the layout of `tokens`.
         cos, sin = cos_t[positions].unsqueeze(2), sin_t[positions].unsqueeze(2)
         one_token_keys = None
         if prompt_lengths is not None:
