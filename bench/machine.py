@@ -87,6 +87,20 @@ def read_bandwidth_gbs(nbytes: int = 1 << 29, repeats: int = 5) -> float:
     return nbytes / _best_seconds(src.sum, repeats) / 1e9
 
 
+def bandwidth_beside(run):
+    """`run()`, its result (a dict) given the copy and read bandwidth (GB/s) timed just before
+    and just after it: on one AMD EPYC VM the copy bandwidth moved from 23.5 to 35.7 GB/s
+    between hours of one day, so a run's roofline fraction needs the bandwidth of its own
+    minutes, not the one timed when the benchmark started."""
+    before = memory_bandwidth_gbs(), read_bandwidth_gbs()
+    result = run()
+    after = memory_bandwidth_gbs(), read_bandwidth_gbs()
+    result["copy_bandwidth_gbs"] = (before[0] + after[0]) / 2
+    result["read_bandwidth_gbs"] = (before[1] + after[1]) / 2
+    result["copy_bandwidth_before_after_gbs"] = [before[0], after[0]]
+    return result
+
+
 def _best_seconds(run, repeats: int) -> float:
     """Shortest of `repeats` timed calls of `run`, after one untimed call (seconds)."""
     run()

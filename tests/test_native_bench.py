@@ -188,6 +188,26 @@ def test_speculation_is_compared_with_the_faster_off_run():
     assert math.isclose(summary["roofline"]["fraction"], 25.0 / 50.0)  # 25 MB at 1 GB/s = 25 ms
 
 
+def test_roofline_takes_each_run_against_the_bandwidth_timed_beside_it():
+    """Two batch-1 `off` runs, each with its own bandwidth: each gets its own fraction, and the
+    goal is met only when every run meets it (inconclusive when some do)."""
+    def off(shape, ms, copy_gbs, rnd):
+        return {"batch": 1, "shape": shape, "decode_tokens_per_s": 1000 / ms, "median_step_ms": ms,
+                "mean_accepted_length": 1.0, "round": rnd, "copy_bandwidth_gbs": copy_gbs,
+                "copy_bandwidth_before_after_gbs": [copy_gbs, copy_gbs], "read_bandwidth_gbs": 2 * copy_gbs}
+
+    results = [off("off", 40.0, 1.0, 0), off("off (after vLLM)", 40.0, 0.5, 1)]
+    summary = summarize(results, (1,), weight_bytes=30_000_000, bandwidth=9.0, same_budget=[])
+    runs = summary["roofline"]["runs"]
+    assert [math.isclose(x["fraction"], f) for x, f in zip(runs, (30 / 40, 60 / 40))] == [True, True]
+    assert math.isclose(runs[0]["read_fraction"], 15 / 40)  # read bandwidth 2 GB/s: 15 ms
+    goal = next(g for g in goal_checks(summary) if "roofline" in g["goal"])
+    assert goal["met"] is True and goal["ratios"] == [x["fraction"] for x in runs]
+    results[1]["copy_bandwidth_gbs"] = 2.0  # 15 ms of 40: 38%, below the goal
+    goal = next(g for g in goal_checks(summarize(results, (1,), 30_000_000, 9.0, [])) if "roofline" in g["goal"])
+    assert goal["met"] is None
+
+
 def test_step_profile_splits_a_real_decode_step_into_parts(tmp_path):
     """bench.step_profile on the default model, a few steps: the parts add up to the profiled
     step, the linears land in `matmul`, and the bandwidth summary follows from them."""
