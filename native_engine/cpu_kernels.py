@@ -2,9 +2,10 @@
 
 - `torch.ops.adaspec.decode_attention`: a decode step's attention over the float32 KV cache
   (native_engine/decode_attention.py);
-- `torch.ops.adaspec.panel_matmul`: the float32 matmul of a pass of a few tokens (a decode
-  step of 1-16 sequences, a short verify pass), streaming the weight held in panels of 16
-  output features (`CpuLinear`'s "panels" path, native_engine/model.py).
+- `torch.ops.adaspec.panel_matmul`: the float32 matmul of a pass of up to a few hundred
+  tokens (a decode step of 1-16 sequences, a verify pass, a short prompt), streaming the
+  weight held in panels of 16 output features (`CpuLinear`'s "panels" path,
+  native_engine/model.py).
 
 C++ with AVX2/FMA intrinsics, compiled once per machine with torch's extension builder (about
 35 s on 2 cores; cached under $TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions, and

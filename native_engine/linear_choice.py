@@ -7,7 +7,7 @@ A `CpuLinear` (native_engine/model.py) can run its weight four ways:
 - "packed": oneDNN's prepacked blocked layout (verify passes, batches, prefill);
 - "panels": adaspec's own float32 kernel on the weight in panels of 16 output features
   (native_engine/cpu_kernels.py), where it builds: on 2 AMD EPYC (Zen 2) cores 1.3-1.5x
-  faster than oneDNN's packed matmul at 1-16 rows.
+  faster than oneDNN's packed matmul at 1-16 rows, 1.14-1.36x at 24-256.
 Which is fastest depends on the CPU, its BLAS, the dtype, the model's shapes and the number
 of rows: on this project's 2-core machine "gemv" and "packed" have each won at one token on
 different days, and "linear" beat both by 15% at 2-3 rows in float32 and lost everywhere in
@@ -32,8 +32,11 @@ import torch
 from adaspec.models import cache_dir
 
 PATHS = ("gemv", "linear", "packed", "panels")
-# Tokens per pass that are timed: a batch-1 decode, short verify passes, decode steps of up to 16 sequences.
-TOKEN_COUNTS = (1, 2, 3, 4, 8, 16)
+# Tokens per pass that are timed: a batch-1 decode, short verify passes, decode steps of up to
+# 16 sequences, verify passes of 16 sequences' trees, short prompts (a prefill runs one prompt
+# per pass). On 2 AMD EPYC (Zen 2) cores the panel kernel won every count up to 256, by 1.14x
+# at 256 (docs/native-engine.md, "The panel matmul"); wider passes keep oneDNN's.
+TOKEN_COUNTS = (1, 2, 3, 4, 8, 16, 32, 64, 128, 256)
 REPS = 3  # timed forwards per path and token count, after one warm-up each
 
 

@@ -633,7 +633,8 @@ class CpuLinear(nn.Module):
       native_engine/cpu_kernels.py; float32, AVX2, out features a multiple of 16) on a copy in
       panels of 16 output features [out / 16, in, 16]: streams the weight at close to the
       memory's rate for 1-16 rows, where the libraries' kernels reach about 60% of it at one
-      row on some CPUs (docs/native-engine.md, "The panel matmul").
+      row on some CPUs, and outran oneDNN's matmul up to 256 rows on one (docs/native-engine.md,
+      "The panel matmul").
     `route[r]` names the path of a pass of r rows (the last entry: every wider pass); it is
     measured per machine and model when the model is prepared for serving. Two or three
     copies of the weight: meant for the small models a CPU serves. `weight` is the usual

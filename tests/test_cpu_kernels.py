@@ -4,7 +4,7 @@ The decode-attention kernel (native_engine/decode_attention.py): every grouped-q
 and head size it takes, rows of uneven length read from strided cache views, a negative check
 that the comparison notices a wrong length, clear errors, one-token passes whose mask is not a
 prefix left to torch, and an engine whose decode steps run it decoding exactly as
-recomputation from scratch. The panel matmul: against F.linear for 1-16 rows (every count of
+recomputation from scratch. The panel matmul: against F.linear for 1-257 rows (every count of
 rows past the last block of six), the weight's layout read as documented."""
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def _panels(w: torch.Tensor) -> torch.Tensor:
     return w.t().reshape(w.shape[1], w.shape[0] // 16, 16).transpose(0, 1).contiguous()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 11, 12, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 11, 12, 16, 17, 64, 257])
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (16, 7), (48, 1536)])
 def test_the_panel_matmul_matches_f_linear(rows, out_features, in_features):
     gen = torch.Generator().manual_seed(rows)
