@@ -8,8 +8,10 @@
 // 23 and 53 ms (docs/native-engine.md, "The panel matmul"). Each panel is one contiguous
 // stream; for a block of up to 6 rows of x the 16 outputs of every row stay in 12 AVX2
 // registers while the panel streams past (two vector loads and one broadcast per row and k).
-// More rows re-read the panel from L2. The first block of rows prefetches the next panel,
-// so the memory stream runs while the other blocks compute.
+// More rows re-read the panel from L2. While a panel's blocks of rows compute, they prefetch
+// the next panel, each block every `blocks`-th of its cache lines, so the memory stream runs
+// through all of them: when only the first block prefetched, a pass of 7-16 rows waited on
+// memory in that block and left it idle in the others.
 
 #include <torch/extension.h>
 #include <torch/library.h>
@@ -21,18 +23,29 @@ namespace {
 constexpr int64_t PANEL = 16;  // output features per panel: two AVX2 vectors
 
 // Rows x[0 .. MR - 1] (row stride K) times one panel; the 16 outputs of each row go to
-// y[r * N + n0 ..]. `next`: a panel to prefetch, one cache line per k (nullptr: none).
-template <int MR>
+// y[r * N + n0 ..]. `next`: the next panel's first cache line (one per k) this block
+// prefetches (nullptr: none); SPREAD: then every `every`-th line after it, one each `every`
+// k, else every line, one each k.
+template <int MR, bool SPREAD>
 inline void panel_block(const float* x, int64_t K, const float* panel, int64_t N, int64_t n0, float* y,
-                        const float* next) {
+                        const float* next, int64_t every) {
   // Named accumulators, not an array: GCC kept an array's entries in memory and stored all of
   // them on every k (store-bound, at half the FMA rate).
   __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
          c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
   const float* w = panel;
+  int64_t wait = 1;  // k until the next prefetch
   for (int64_t k = 0; k < K; ++k, w += PANEL) {
     const __m256 w0 = _mm256_loadu_ps(w), w1 = _mm256_loadu_ps(w + 8);
-    if (next) _mm_prefetch(reinterpret_cast<const char*>(next + k * PANEL), _MM_HINT_T0);
+    // One block (SPREAD false): a line per k, the loop as lean as it can be (the counter
+    // cost 4-8% at one or two rows, where the loop waits on memory with little else to do).
+    if constexpr (!SPREAD) {
+      if (next) _mm_prefetch(reinterpret_cast<const char*>(next + k * PANEL), _MM_HINT_T0);
+    } else if (next && --wait == 0) {
+      _mm_prefetch(reinterpret_cast<const char*>(next), _MM_HINT_T0);
+      next += every * PANEL;
+      wait = every;
+    }
 #define ADASPEC_ROW(r)                                      \
     if constexpr (MR > r) {                                 \
       const __m256 b = _mm256_broadcast_ss(x + r * K + k);  \
@@ -67,17 +80,33 @@ torch::Tensor panel_matmul(const torch::Tensor& x, const torch::Tensor& w) {
     for (int64_t p = begin; p < end; ++p) {
       const float* panel = wp + p * K * PANEL;
       const float* next = p + 1 < end ? panel + K * PANEL : nullptr;
-      const int64_t n0 = p * PANEL;
-      int64_t m = 0;
-      for (; m + 6 <= M; m += 6, next = nullptr) panel_block<6>(xp + m * K, K, panel, N, n0, yp + m * N, next);
+      const int64_t n0 = p * PANEL, blocks = (M + 5) / 6;
+      int64_t m = 0, block = 0;
+      // block j prefetches the next panel's lines j, j + blocks, j + 2 * blocks, ...
+      auto share = [&](int64_t j) { return next ? next + j * PANEL : nullptr; };
+      if (blocks == 1) {  // up to 6 rows: one block streams the panel and prefetches all of the next
+        switch (M) {
+          case 6: panel_block<6, false>(xp, K, panel, N, n0, yp, next, 1); break;
+          case 5: panel_block<5, false>(xp, K, panel, N, n0, yp, next, 1); break;
+          case 4: panel_block<4, false>(xp, K, panel, N, n0, yp, next, 1); break;
+          case 3: panel_block<3, false>(xp, K, panel, N, n0, yp, next, 1); break;
+          case 2: panel_block<2, false>(xp, K, panel, N, n0, yp, next, 1); break;
+          case 1: panel_block<1, false>(xp, K, panel, N, n0, yp, next, 1); break;
+          default: break;
+        }
+        continue;
+      }
+      for (; m + 6 <= M; m += 6, ++block)
+        panel_block<6, true>(xp + m * K, K, panel, N, n0, yp + m * N, share(block), blocks);
       const float* xm = xp + m * K;
       float* ym = yp + m * N;
+      const float* pf = share(block);
       switch (M - m) {
-        case 5: panel_block<5>(xm, K, panel, N, n0, ym, next); break;
-        case 4: panel_block<4>(xm, K, panel, N, n0, ym, next); break;
-        case 3: panel_block<3>(xm, K, panel, N, n0, ym, next); break;
-        case 2: panel_block<2>(xm, K, panel, N, n0, ym, next); break;
-        case 1: panel_block<1>(xm, K, panel, N, n0, ym, next); break;
+        case 5: panel_block<5, true>(xm, K, panel, N, n0, ym, pf, blocks); break;
+        case 4: panel_block<4, true>(xm, K, panel, N, n0, ym, pf, blocks); break;
+        case 3: panel_block<3, true>(xm, K, panel, N, n0, ym, pf, blocks); break;
+        case 2: panel_block<2, true>(xm, K, panel, N, n0, ym, pf, blocks); break;
+        case 1: panel_block<1, true>(xm, K, panel, N, n0, ym, pf, blocks); break;
         default: break;
       }
     }
