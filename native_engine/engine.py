@@ -44,7 +44,7 @@ from native_engine.model import COMPILED_TOKENS_AT_BATCH_1, Packing, Transformer
 from native_engine.requests import Request, RequestOutput, SamplingParams
 from native_engine.stats import AcceptanceCounts
 from native_engine.tree import DraftTree, TreeShape, attention_mask, batch_tree_inputs
-from native_engine.verify import Acceptance, accept_greedy, accept_sampled, probs_from_logits
+from native_engine.verify import Acceptance, accept_greedy, accept_sampled, probs_from_logits, sample_index
 
 # A verify pass runs packed (native_engine.model.Packing) when its real tokens fill
 # at most this share of the padded [B, T] layout: packing adds a scatter and a gather to every
@@ -360,8 +360,8 @@ class NativeEngine:
             if req.params.greedy:
                 tok = argmax[b]
             else:
-                probs = probs_from_logits(logits[b], req.params.temperature, req.params.top_p).cpu().double()
-                tok = int(torch.multinomial(probs, 1, generator=req.generator or self._generator))
+                probs = probs_from_logits(logits[b], req.params.temperature, req.params.top_p)
+                tok = sample_index(probs, req.generator or self._generator)
             outs.append(self._emit(req, req.append([tok], self.eos_ids, self._decode_fn(req))))
         return outs
 

@@ -54,6 +54,22 @@ class Acceptance:
 NUCLEUS_TOP_K = 1024  # candidates for the nucleus before falling back to a full sort
 
 
+def sample_index(weights: torch.Tensor, generator: torch.Generator) -> int:
+    """One index of `weights` [V] (non-negative, not all zero) drawn with probability
+    weights[i] / weights.sum(): the cumulative sum searched at a uniform draw.
+
+    torch.multinomial draws the same distribution, at 1.3 ms per row of a 49k vocabulary on
+    2 CPU threads (an exponential variate per entry) against 0.11 ms here (2026-12-05, AMD
+    EPYC), and a sampled decode step draws a token per sampled sequence."""
+    cdf = weights.detach().to("cpu", torch.float64).cumsum(0)
+    while True:
+        u = torch.rand((), dtype=torch.float64, generator=generator) * cdf[-1]
+        i = int(torch.searchsorted(cdf, u, right=True))
+        # u < cdf[-1] but for a draw that rounds up to the total (about 2^-53): drawn again
+        if i < len(cdf) and float(weights[i]) > 0:
+            return i
+
+
 def probs_from_logits(logits: torch.Tensor, temperature: float, top_p: float = 1.0) -> torch.Tensor:
     """Sampling distribution [..., V] from float logits [..., V]: softmax(logits / T), then
     nucleus filtering (keep the smallest set of most likely tokens with mass >= top_p).
@@ -118,7 +134,7 @@ def accept_sampled(children: list[list[int]], tokens: list[int], probs: torch.Te
                 residual[list(rejected)] = 0.0
             if float(residual.sum()) <= 0:  # rounding left no mass: fall back to p
                 residual = probs[row].detach().to("cpu", torch.float64)
-            out.tokens.append(int(torch.multinomial(residual, 1, generator=generator)))
+            out.tokens.append(sample_index(residual, generator))
             return out
         row = out.accept(*accepted)
 
@@ -146,6 +162,6 @@ def accept_sampled_from_draft(children: list[list[int]], tokens: list[int], prob
                 p = probs[row].detach().to("cpu", torch.float64).clone()
             p = p / p.sum()
         if accepted is None:
-            out.tokens.append(int(torch.multinomial(p, 1, generator=generator)))
+            out.tokens.append(sample_index(p, generator))
             return out
         row = out.accept(*accepted)

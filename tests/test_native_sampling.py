@@ -30,7 +30,7 @@ from native_engine.engine import EngineConfig, NativeEngine
 from native_engine.model import build_model
 from native_engine.requests import SamplingParams
 from native_engine.testing import full_logits, noisy_copy, tiny_args
-from native_engine.verify import Acceptance, probs_from_logits
+from native_engine.verify import Acceptance, probs_from_logits, sample_index
 
 V = 8
 PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]  # repeats, so n-gram lookup proposes drafts too
@@ -155,6 +155,21 @@ def test_the_check_fails_when_every_draft_is_accepted(target, draft, monkeypatch
     monkeypatch.setattr(engine_module, "accept_sampled", accept_everything)
     counts = _sample(_engine(target, draft, "draft_model", shape), 1.0, 1.0, companions=shape == "auto")
     assert _p_value(counts, _exact_joint(target, 1.0, 1.0)) < 1e-6
+
+
+def test_sample_index_draws_the_weights_distribution():
+    """The inverse-CDF draw every sampled token takes: frequencies match the weights (chi-square),
+    zero weights never come up (the first, the last, and one between two others included), and a
+    wrong draw (the weights shifted by one index) fails the same check."""
+    weights = torch.tensor([0.0, 3.0, 0.0, 1.0, 0.5, 0.0, 2.5, 0.0], dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    draws = [sample_index(weights, gen) for _ in range(20000)]
+    counts = np.bincount(draws, minlength=len(weights))
+    assert counts[weights.numpy() == 0].sum() == 0
+    expected = weights.numpy() / weights.sum().item()
+    assert _p_value(counts[None].astype(float), expected[None]) > 1e-3
+    shifted = np.roll(counts, 1)
+    assert _p_value(shifted[None].astype(float), expected[None]) < 1e-6
 
 
 def test_exact_joint_is_a_distribution(target):
