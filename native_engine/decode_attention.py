@@ -1,10 +1,12 @@
-"""The float32 decode-attention kernel (csrc/decode_attention.cpp), where it can run.
+"""The float32 decode-attention kernels (csrc/decode_attention.cpp), where they can run.
 
 A decode step's attention (one new token per sequence over its KV cache) is the one part of
 a batch-16 step that grows with the cache and not with the weights. torch's CPU attention
 runs it as two small GEMMs and a masked softmax per (sequence, KV head); the kernel reads each
 sequence's keys and values once, up to its own length instead of the batch's longest, with
 the query heads that share a KV head side by side (docs/native-engine.md, "Decode attention").
+A verify pass (a draft tree's tokens per sequence) runs the same loops under its tree mask
+(`tree_attention`), each sequence over its own keys rather than the batch's longest.
 
 Built with adaspec's other CPU kernels (native_engine/cpu_kernels.py). Where it cannot run,
 `kernel()` returns None and attention stays torch's: a CPU without AVX2 and FMA, no C++
@@ -38,3 +40,24 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     Hkv = keys.shape[1]
     out = kernel()(q.reshape(B, Hkv, H // Hkv, Dh).contiguous(), keys, values, lengths, Dh ** -0.5)
     return out.view(B, H * Dh)
+
+
+def tree_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, counts: torch.Tensor,
+                   allowed: torch.Tensor) -> torch.Tensor:
+    """Attention of q [B, T, H, Dh] (a verify pass: T tokens per sequence) over keys/values
+    [B, Hkv, S, Dh] (views of the cache, Dh contiguous): sequence b's queries read its first
+    counts[b] keys (int64 [B], 1..S), query t key s only where allowed[b, t, s] (bool
+    [B, T, S], contiguous). Returns [B, T, H * Dh]; call only where `kernel()` is not None."""
+    B, T, H, Dh = q.shape
+    Hkv = keys.shape[1]
+    grouped = q.reshape(B, T, Hkv, H // Hkv, Dh).transpose(1, 2).contiguous()  # [B, Hkv, T, G, Dh]
+    out = torch.ops.adaspec.tree_attention(grouped, keys, values, counts, allowed, Dh ** -0.5)
+    return out.transpose(1, 2).reshape(B, T, H * Dh)
+
+
+def key_counts(allowed: torch.Tensor) -> torch.Tensor:
+    """Per sequence, the keys its queries read: one past the last key any of its queries may
+    attend (allowed [B, T, S] bool; at least 1). int64 [B]."""
+    seen = allowed.any(1)  # [B, S]
+    last = seen.shape[1] - 1 - seen.flip(-1).to(torch.uint8).argmax(-1)
+    return torch.clamp(last + 1, min=1).to(torch.long)

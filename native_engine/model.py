@@ -215,6 +215,8 @@ class ForwardInputs:
     one_token_keys [B] int64: set when a one-token pass runs the decode-attention kernel
     (native_engine/decode_attention.py): how many cache positions each row's token attends,
     a prefix of its row (`prefix_lengths`).
+    tree_keys: (counts [B] int64, allowed [B, T, S] bool) set when any other pass over a cache
+    runs the decode-attention kernels (`decode_attention.tree_attention`): a verify pass.
     prompt_lengths: set for a prefill (`prompt_attention`): the pass's tokens [1, N] are
     prompts of these lengths one after another, for cache rows row_start.. at positions 0..;
     mask and write_pos are then unused."""
@@ -226,6 +228,7 @@ class ForwardInputs:
     key_len: int
     one_token_keys: torch.Tensor | None = None
     prompt_lengths: tuple[int, ...] | None = None
+    tree_keys: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 # Compiled (compile_decode), a batch-1 pass of up to this many tokens runs the compiled graph:
@@ -248,6 +251,8 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: i
     B, T, H, Dh = q.shape
     if s.one_token_keys is not None:
         return decode_attention.decode_attention(q[:, 0], keys, values, s.one_token_keys).view(B, T, H * Dh)
+    if s.tree_keys is not None:
+        return decode_attention.tree_attention(q, keys, values, *s.tree_keys)
     return attend(q.transpose(1, 2), keys, values, s.mask).transpose(1, 2).reshape(B, T, H * Dh)
 
 
@@ -470,11 +475,17 @@ class Transformer(nn.Module):
         cos_t, sin_t = self.rope(int(positions.max()) + 1)
         # [B, T, 1, Dh], gathered once for every layer; RoPE runs in the layout of `tokens`.
         cos, sin = cos_t[positions].unsqueeze(2), sin_t[positions].unsqueeze(2)
-        one_token_keys = None
+        one_token_keys = tree_keys = None
         if prompt_lengths is not None:
             mask, packed = None, None
-        elif cache is not None and tokens.shape[1] == 1 and self.uses_decode_kernel():
-            one_token_keys = prefix_lengths(mask, key_len, tokens.shape[0])
+        elif cache is not None and self.uses_decode_kernel():
+            if tokens.shape[1] == 1:
+                one_token_keys = prefix_lengths(mask, key_len, tokens.shape[0])
+            if one_token_keys is None and mask is not None and mask.dtype == torch.bool:
+                # A verify pass: each sequence reads its own keys, not the longest one's
+                # (docs/native-engine.md, "Tree attention").
+                allowed = mask[:, 0].contiguous()
+                tree_keys = (decode_attention.key_counts(allowed), allowed)
         if cache is not None and prompt_lengths is None and self.lm_head.weight.dtype != torch.float32:
             mask, key_len = whole_key_blocks(mask, key_len, tokens.device)
         if mask is not None and mask.dtype == torch.bool:
@@ -482,7 +493,7 @@ class Transformer(nn.Module):
             mask = torch.zeros(mask.shape, dtype=self.lm_head.weight.dtype, device=mask.device).masked_fill_(
                 ~mask, float("-inf"))
         _forward.inputs = ForwardInputs(mask, cache, row_start, write_pos, key_len, one_token_keys,
-                                        prompt_lengths)
+                                        prompt_lengths, tree_keys)
         try:
             if self.compiled_decode is not None and packed is None and (
                     tokens.shape[1] == 1 or (tokens.shape[0] == 1 and tokens.shape[1] <= COMPILED_TOKENS_AT_BATCH_1)):

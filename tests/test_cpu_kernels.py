@@ -18,6 +18,7 @@ from native_engine.engine import EngineConfig, NativeEngine
 from native_engine.drafters import NgramDrafter
 from native_engine.kv_cache import KVCache
 from native_engine.model import build_model, prefix_lengths
+from native_engine.tree import DraftTree, attention_mask, batch_tree_inputs
 from native_engine.requests import SamplingParams
 from native_engine.testing import reference_greedy, tiny_args
 from adaspec.policy import SpecPolicy
@@ -51,6 +52,51 @@ def test_the_kernel_matches_torch_attention(H, Hkv, Dh):
     q, keys, values, lengths = _case(B=5, H=H, Hkv=Hkv, Dh=Dh, S=203)
     got = decode_attention.decode_attention(q, keys, values, lengths)
     torch.testing.assert_close(got, _torch_attention(q, keys, values, lengths), rtol=1e-5, atol=1e-5)
+
+
+def _tree_case(B: int, T: int, S: int, seed: int):
+    """A verify pass: per sequence a random tree of up to T - 1 nodes (the rest pads) after a
+    prefix of 1..S - T keys, the pass's bool mask [B, 1, T, S] (native_engine.tree)."""
+    gen = torch.Generator().manual_seed(seed)
+    trees = []
+    for b in range(B):
+        n = T - 1 if b == 0 else int(torch.randint(0, T, (), generator=gen))  # the first sets T
+        parents = [int(torch.randint(-1, i, (), generator=gen)) for i in range(n)]
+        trees.append(DraftTree(list(range(n)), parents))
+    lengths = torch.randint(1, S - T + 1, (B,), generator=gen)
+    lengths[0] = S - T
+    _, _, _, block = batch_tree_inputs(trees, [0] * B, lengths.tolist())
+    return attention_mask(block, lengths, S)
+
+
+@pytest.mark.parametrize("H,Hkv,Dh,T", [(9, 3, 64, 5), (4, 4, 16, 2), (14, 2, 64, 9), (8, 2, 128, 3)])
+def test_the_tree_kernel_matches_torch_attention_under_the_tree_mask(H, Hkv, Dh, T):
+    """Uneven prefixes and trees, pad rows, keys as strided views of a cache: as torch's
+    attention over all S keys under the pass's mask; each sequence reads only its own keys."""
+    B, S = 6, 160
+    mask = _tree_case(B, T, S, seed=T)
+    gen = torch.Generator().manual_seed(H)
+    cache = torch.randn(2, B + 1, Hkv, S + 11, Dh, generator=gen)
+    keys, values = cache[0, 1:, :, :S], cache[1, 1:, :, :S]
+    q = torch.randn(B, T, H, Dh, generator=gen)
+    allowed = mask[:, 0].contiguous()
+    counts = decode_attention.key_counts(allowed)
+    assert counts[0] == S and bool((counts < S).any())
+    got = decode_attention.tree_attention(q, keys, values, counts, allowed)
+    want = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=H != Hkv)
+    torch.testing.assert_close(got, want.transpose(1, 2).reshape(B, T, H * Dh), rtol=1e-5, atol=1e-5)
+    allowed[1, 0, 0] = not allowed[1, 0, 0]  # one key more or less for one query: noticed
+    assert not torch.allclose(decode_attention.tree_attention(q, keys, values, counts, allowed)[1, 0], got[1, 0])
+
+
+def test_the_tree_kernel_gives_zeros_to_a_query_with_no_key_and_refuses_bad_counts():
+    q, keys, values = torch.randn(1, 2, 4, 16), torch.randn(1, 4, 8, 16), torch.randn(1, 4, 8, 16)
+    allowed = torch.zeros(1, 2, 8, dtype=torch.bool)
+    allowed[0, 0, :3] = True
+    out = decode_attention.tree_attention(q, keys, values, torch.tensor([8]), allowed)
+    assert bool((out[0, 1] == 0).all()) and bool(out[0, 0].abs().sum() > 0)
+    with pytest.raises(RuntimeError, match="9 keys of 8"):
+        decode_attention.tree_attention(q, keys, values, torch.tensor([9]), allowed)
 
 
 def test_the_comparison_notices_one_key_too_few():

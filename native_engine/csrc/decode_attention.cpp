@@ -141,7 +141,93 @@ void attend(const float* q, const float* k, const float* v, int64_t n, int64_t G
   }
 }
 
+// A tree verify pass's query (GB heads of one KV head) over keys 0..n-1 of its sequence,
+// attending only where allowed[s] (its row's prefix, then its ancestors among the tree's
+// keys): masked scores take no part in the maximum and get weight exactly 0. A query with
+// no allowed key gets zeros.
+template <int GB>
+void attend_group_masked(const float* q, const float* k, const float* v, int64_t n, int64_t D, float scale,
+                         const uint8_t* allowed, float* scores, int64_t stride, float* out) {
+  if (std::find(allowed, allowed + n, uint8_t{1}) == allowed + n) {
+    std::fill(out, out + GB * D, 0.0f);
+    return;
+  }
+  float sums[GB];
+  scores_of<GB>(q, k, n, D, scale, scores, stride);
+  for (int j = 0; j < GB; ++j)
+    for (int64_t s = 0; s < n; ++s)
+      if (!allowed[s]) scores[j * stride + s] = -INFINITY;
+  exponentiate(scores, stride, GB, n, sums);
+  for (int j = 0; j < GB; ++j)
+    for (int64_t s = 0; s < n; ++s)
+      if (!allowed[s]) {
+        sums[j] -= scores[j * stride + s];
+        scores[j * stride + s] = 0.0f;
+      }
+  weighted_values<GB>(scores, stride, sums, v, n, D, out);
+}
+
+void attend_masked(const float* q, const float* k, const float* v, int64_t n, int64_t G, int64_t D, float scale,
+                   const uint8_t* allowed, float* scores, int64_t stride, float* out) {
+  for (int64_t g = 0; g < G; g += 4) {
+    const float* qg = q + g * D;
+    float* og = out + g * D;
+    switch (std::min<int64_t>(4, G - g)) {
+      case 4: attend_group_masked<4>(qg, k, v, n, D, scale, allowed, scores, stride, og); break;
+      case 3: attend_group_masked<3>(qg, k, v, n, D, scale, allowed, scores, stride, og); break;
+      case 2: attend_group_masked<2>(qg, k, v, n, D, scale, allowed, scores, stride, og); break;
+      default: attend_group_masked<1>(qg, k, v, n, D, scale, allowed, scores, stride, og); break;
+    }
+  }
+}
+
+void check_kv(const torch::Tensor& k, const torch::Tensor& v, int64_t B, int64_t Hkv, int64_t D) {
+  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat, "float32 only");
+  TORCH_CHECK(D % 16 == 0, "head dim must be a multiple of 16, got ", D);
+  TORCH_CHECK(k.dim() == 4 && k.size(0) == B && k.size(1) == Hkv && k.size(3) == D && v.sizes() == k.sizes(),
+              "k, v: [B, Hkv, S, D]");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && k.stride(2) == D && v.stride(2) == D,
+              "k, v: rows of D contiguous floats");
+}
+
 }  // namespace
+
+// A verify pass's attention (T tokens per sequence: a draft tree's root and nodes) over the
+// float32 KV cache: q [B, Hkv, T, G, D] contiguous; k, v [B, Hkv, S, D] as for
+// decode_attention; counts [B] int64, the keys each sequence's queries read (its prefix and
+// its tree, <= S); allowed [B, T, S] bool contiguous, the pass's mask. torch's attention runs
+// every sequence over all S keys under the mask (the longest sequence's length for each);
+// here each reads its own `counts`. Output [B, Hkv, T, G, D].
+torch::Tensor tree_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                             const torch::Tensor& counts, const torch::Tensor& allowed, double scale) {
+  TORCH_CHECK(q.dim() == 5 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: [B, Hkv, T, G, D] float32, contiguous");
+  const int64_t B = q.size(0), Hkv = q.size(1), T = q.size(2), G = q.size(3), D = q.size(4);
+  check_kv(k, v, B, Hkv, D);
+  const int64_t S = k.size(2);
+  TORCH_CHECK(allowed.scalar_type() == at::kBool && allowed.is_contiguous() && allowed.dim() == 3 &&
+              allowed.size(0) == B && allowed.size(1) == T && allowed.size(2) == S, "allowed: [B, T, S] bool, contiguous");
+  TORCH_CHECK(counts.scalar_type() == at::kLong && counts.dim() == 1 && counts.size(0) == B, "counts: [B] int64");
+  const auto counts_c = counts.contiguous();
+  const int64_t* n_of = counts_c.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(n_of[b] >= 1 && n_of[b] <= S, "sequence ", b, ": ", n_of[b], " keys of ", S);
+
+  auto out = torch::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const uint8_t* ap = reinterpret_cast<const uint8_t*>(allowed.data_ptr<bool>());
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, B * Hkv * T, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(std::min<int64_t>(4, G) * S);
+    for (int64_t item = begin; item < end; ++item) {  // item = (b * Hkv + h) * T + t
+      const int64_t t = item % T, h = (item / T) % Hkv, b = item / (T * Hkv);
+      attend_masked(qp + item * G * D, kp + b * k.stride(0) + h * k.stride(1), vp + b * v.stride(0) + h * v.stride(1),
+                    n_of[b], G, D, static_cast<float>(scale), ap + (b * T + t) * S, scores.data(), S,
+                    op + item * G * D);
+    }
+  });
+  return out;
+}
 
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const torch::Tensor& lengths, double scale) {
@@ -178,8 +264,10 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
 // An operator (torch.ops.adaspec.decode_attention), so profilers and the dispatcher see it.
 TORCH_LIBRARY_FRAGMENT(adaspec, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor lengths, float scale) -> Tensor");
+  m.def("tree_attention(Tensor q, Tensor k, Tensor v, Tensor counts, Tensor allowed, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(adaspec, CPU, m) {
   m.impl("decode_attention", &decode_attention);
+  m.impl("tree_attention", &tree_attention);
 }
