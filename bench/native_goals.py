@@ -56,15 +56,16 @@ def summarize(results: list[dict], batches: tuple[int, ...], weight_bytes: int, 
     # copy's traffic rate (bytes read + written per second) is the floor of a batch-1 step. A
     # copy's write also reads its line first, so the read-only rate (a sum) is higher: the
     # fraction against it is the stricter one.
-    floor_ms = weight_bytes / (bandwidth * 1e9) * 1e3
+    stream_ms = lambda gbs: weight_bytes / (gbs * 1e9) * 1e3  # noqa: E731
+    floor_ms = stream_ms(bandwidth)
     step_ms = best_off(results, 1)["median_step_ms"] if 1 in batches else float("nan")
     runs = [{"shape": r["shape"], "round": r.get("round", 0), "step_ms": r["median_step_ms"],
              "copy_bandwidth_gbs": r["copy_bandwidth_gbs"],
              "copy_bandwidth_before_after_gbs": r["copy_bandwidth_before_after_gbs"],
              "read_bandwidth_gbs": r["read_bandwidth_gbs"],
-             "weights_stream_ms": weight_bytes / (r["copy_bandwidth_gbs"] * 1e9) * 1e3,
-             "fraction": weight_bytes / (r["copy_bandwidth_gbs"] * 1e9) * 1e3 / r["median_step_ms"],
-             "read_fraction": weight_bytes / (r["read_bandwidth_gbs"] * 1e9) * 1e3 / r["median_step_ms"]}
+             "weights_stream_ms": stream_ms(r["copy_bandwidth_gbs"]),
+             "fraction": stream_ms(r["copy_bandwidth_gbs"]) / r["median_step_ms"],
+             "read_fraction": stream_ms(r["read_bandwidth_gbs"]) / r["median_step_ms"]}
             for r in results if r["batch"] == 1 and r["shape"] in OFF_SHAPES and "copy_bandwidth_gbs" in r]
     # Each run against the bandwidth of its own minutes (bench/machine.py, bandwidth_beside);
     # rows without one (an older run) fall back on the bandwidth timed at the start.

@@ -118,76 +118,66 @@ void exponentiate(float* scores, int64_t stride, int64_t rows, int64_t n, float*
   }
 }
 
+// The GB query heads q (rows of D) over keys 0..n-1; with `allowed` (nullptr: every key), a
+// tree verify pass's mask row: only where allowed[s] (the row's prefix, then its ancestors
+// among the tree's keys), masked scores taking no part in the maximum and weighted exactly 0;
+// a query with no allowed key gets zeros.
 template <int GB>
 void attend_group(const float* q, const float* k, const float* v, int64_t n, int64_t D, float scale,
-                  float* scores, int64_t stride, float* out) {
-  float sums[GB];
-  scores_of<GB>(q, k, n, D, scale, scores, stride);
-  exponentiate(scores, stride, GB, n, sums);
-  weighted_values<GB>(scores, stride, sums, v, n, D, out);
-}
-
-void attend(const float* q, const float* k, const float* v, int64_t n, int64_t G, int64_t D, float scale,
-            float* scores, int64_t stride, float* out) {
-  for (int64_t g = 0; g < G; g += 4) {  // query heads in groups of up to four
-    const float* qg = q + g * D;
-    float* og = out + g * D;
-    switch (std::min<int64_t>(4, G - g)) {
-      case 4: attend_group<4>(qg, k, v, n, D, scale, scores, stride, og); break;
-      case 3: attend_group<3>(qg, k, v, n, D, scale, scores, stride, og); break;
-      case 2: attend_group<2>(qg, k, v, n, D, scale, scores, stride, og); break;
-      default: attend_group<1>(qg, k, v, n, D, scale, scores, stride, og); break;
-    }
-  }
-}
-
-// A tree verify pass's query (GB heads of one KV head) over keys 0..n-1 of its sequence,
-// attending only where allowed[s] (its row's prefix, then its ancestors among the tree's
-// keys): masked scores take no part in the maximum and get weight exactly 0. A query with
-// no allowed key gets zeros.
-template <int GB>
-void attend_group_masked(const float* q, const float* k, const float* v, int64_t n, int64_t D, float scale,
-                         const uint8_t* allowed, float* scores, int64_t stride, float* out) {
-  if (std::find(allowed, allowed + n, uint8_t{1}) == allowed + n) {
+                  const uint8_t* allowed, float* scores, int64_t stride, float* out) {
+  if (allowed && std::find(allowed, allowed + n, uint8_t{1}) == allowed + n) {
     std::fill(out, out + GB * D, 0.0f);
     return;
   }
   float sums[GB];
   scores_of<GB>(q, k, n, D, scale, scores, stride);
-  for (int j = 0; j < GB; ++j)
-    for (int64_t s = 0; s < n; ++s)
-      if (!allowed[s]) scores[j * stride + s] = -INFINITY;
+  if (allowed) {
+    for (int j = 0; j < GB; ++j)
+      for (int64_t s = 0; s < n; ++s)
+        if (!allowed[s]) scores[j * stride + s] = -INFINITY;
+  }
   exponentiate(scores, stride, GB, n, sums);
-  for (int j = 0; j < GB; ++j)
-    for (int64_t s = 0; s < n; ++s)
-      if (!allowed[s]) {
-        sums[j] -= scores[j * stride + s];
-        scores[j * stride + s] = 0.0f;
-      }
+  if (allowed) {
+    for (int j = 0; j < GB; ++j)
+      for (int64_t s = 0; s < n; ++s)
+        if (!allowed[s]) {
+          sums[j] -= scores[j * stride + s];
+          scores[j * stride + s] = 0.0f;
+        }
+  }
   weighted_values<GB>(scores, stride, sums, v, n, D, out);
 }
 
-void attend_masked(const float* q, const float* k, const float* v, int64_t n, int64_t G, int64_t D, float scale,
-                   const uint8_t* allowed, float* scores, int64_t stride, float* out) {
-  for (int64_t g = 0; g < G; g += 4) {
+void attend(const float* q, const float* k, const float* v, int64_t n, int64_t G, int64_t D, float scale,
+            const uint8_t* allowed, float* scores, int64_t stride, float* out) {
+  for (int64_t g = 0; g < G; g += 4) {  // query heads in groups of up to four
     const float* qg = q + g * D;
     float* og = out + g * D;
     switch (std::min<int64_t>(4, G - g)) {
-      case 4: attend_group_masked<4>(qg, k, v, n, D, scale, allowed, scores, stride, og); break;
-      case 3: attend_group_masked<3>(qg, k, v, n, D, scale, allowed, scores, stride, og); break;
-      case 2: attend_group_masked<2>(qg, k, v, n, D, scale, allowed, scores, stride, og); break;
-      default: attend_group_masked<1>(qg, k, v, n, D, scale, allowed, scores, stride, og); break;
+      case 4: attend_group<4>(qg, k, v, n, D, scale, allowed, scores, stride, og); break;
+      case 3: attend_group<3>(qg, k, v, n, D, scale, allowed, scores, stride, og); break;
+      case 2: attend_group<2>(qg, k, v, n, D, scale, allowed, scores, stride, og); break;
+      default: attend_group<1>(qg, k, v, n, D, scale, allowed, scores, stride, og); break;
     }
   }
 }
 
-void check_kv(const torch::Tensor& k, const torch::Tensor& v, int64_t B, int64_t Hkv, int64_t D) {
+// k, v [B, Hkv, S, D] float32 with rows of D contiguous; counts [B] int64 in 1..S (keys per
+// sequence). Returns counts, contiguous.
+torch::Tensor checked_inputs(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& counts,
+                             int64_t B, int64_t Hkv, int64_t D) {
   TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat, "float32 only");
   TORCH_CHECK(D % 16 == 0, "head dim must be a multiple of 16, got ", D);
   TORCH_CHECK(k.dim() == 4 && k.size(0) == B && k.size(1) == Hkv && k.size(3) == D && v.sizes() == k.sizes(),
               "k, v: [B, Hkv, S, D]");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && k.stride(2) == D && v.stride(2) == D,
               "k, v: rows of D contiguous floats");
+  TORCH_CHECK(counts.scalar_type() == at::kLong && counts.dim() == 1 && counts.size(0) == B, "keys per sequence: [B] int64");
+  auto counts_c = counts.contiguous();
+  const int64_t* n_of = counts_c.data_ptr<int64_t>();
+  const int64_t S = k.size(2);
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(n_of[b] >= 1 && n_of[b] <= S, "sequence ", b, ": ", n_of[b], " keys of ", S);
+  return counts_c;
 }
 
 }  // namespace
@@ -202,14 +192,11 @@ torch::Tensor tree_attention(const torch::Tensor& q, const torch::Tensor& k, con
                              const torch::Tensor& counts, const torch::Tensor& allowed, double scale) {
   TORCH_CHECK(q.dim() == 5 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: [B, Hkv, T, G, D] float32, contiguous");
   const int64_t B = q.size(0), Hkv = q.size(1), T = q.size(2), G = q.size(3), D = q.size(4);
-  check_kv(k, v, B, Hkv, D);
+  const auto counts_c = checked_inputs(k, v, counts, B, Hkv, D);
   const int64_t S = k.size(2);
+  const int64_t* n_of = counts_c.data_ptr<int64_t>();
   TORCH_CHECK(allowed.scalar_type() == at::kBool && allowed.is_contiguous() && allowed.dim() == 3 &&
               allowed.size(0) == B && allowed.size(1) == T && allowed.size(2) == S, "allowed: [B, T, S] bool, contiguous");
-  TORCH_CHECK(counts.scalar_type() == at::kLong && counts.dim() == 1 && counts.size(0) == B, "counts: [B] int64");
-  const auto counts_c = counts.contiguous();
-  const int64_t* n_of = counts_c.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(n_of[b] >= 1 && n_of[b] <= S, "sequence ", b, ": ", n_of[b], " keys of ", S);
 
   auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
@@ -221,9 +208,8 @@ torch::Tensor tree_attention(const torch::Tensor& q, const torch::Tensor& k, con
     std::vector<float> scores(std::min<int64_t>(4, G) * S);
     for (int64_t item = begin; item < end; ++item) {  // item = (b * Hkv + h) * T + t
       const int64_t t = item % T, h = (item / T) % Hkv, b = item / (T * Hkv);
-      attend_masked(qp + item * G * D, kp + b * k.stride(0) + h * k.stride(1), vp + b * v.stride(0) + h * v.stride(1),
-                    n_of[b], G, D, static_cast<float>(scale), ap + (b * T + t) * S, scores.data(), S,
-                    op + item * G * D);
+      attend(qp + item * G * D, kp + b * k.stride(0) + h * k.stride(1), vp + b * v.stride(0) + h * v.stride(1),
+             n_of[b], G, D, static_cast<float>(scale), ap + (b * T + t) * S, scores.data(), S, op + item * G * D);
     }
   });
   return out;
@@ -231,19 +217,11 @@ torch::Tensor tree_attention(const torch::Tensor& q, const torch::Tensor& k, con
 
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const torch::Tensor& lengths, double scale) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v: [B, Hkv, G or S, D]");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
-              "float32 only");
-  const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), D = q.size(3), S = k.size(2);
-  TORCH_CHECK(q.is_contiguous(), "q must be contiguous");
-  TORCH_CHECK(D % 16 == 0, "head dim must be a multiple of 16, got ", D);
-  TORCH_CHECK(k.size(0) == B && k.size(1) == Hkv && k.size(3) == D && v.sizes() == k.sizes(), "k, v: [B, Hkv, S, D]");
-  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && k.stride(2) == D && v.stride(2) == D,
-              "k, v: rows of D contiguous floats");
-  TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.dim() == 1 && lengths.size(0) == B, "lengths: [B] int64");
-  const auto lengths_c = lengths.contiguous();
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: [B, Hkv, G, D] float32, contiguous");
+  const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), D = q.size(3);
+  const auto lengths_c = checked_inputs(k, v, lengths, B, Hkv, D);
+  const int64_t S = k.size(2);
   const int64_t* n_of = lengths_c.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(n_of[b] >= 1 && n_of[b] <= S, "sequence ", b, ": ", n_of[b], " keys of ", S);
 
   auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
@@ -255,7 +233,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / Hkv, h = item % Hkv;
       attend(qp + item * G * D, kp + b * k.stride(0) + h * k.stride(1), vp + b * v.stride(0) + h * v.stride(1),
-             n_of[b], G, D, static_cast<float>(scale), scores.data(), S, op + item * G * D);
+             n_of[b], G, D, static_cast<float>(scale), nullptr, scores.data(), S, op + item * G * D);
     }
   });
   return out;
