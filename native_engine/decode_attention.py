@@ -61,3 +61,15 @@ def key_counts(allowed: torch.Tensor) -> torch.Tensor:
     seen = allowed.any(1)  # [B, S]
     last = seen.shape[1] - 1 - seen.flip(-1).to(torch.uint8).argmax(-1)
     return torch.clamp(last + 1, min=1).to(torch.long)
+
+
+def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, layer: int, row_start: int,
+                     write_pos: torch.Tensor, counts: torch.Tensor, allowed: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+    """A layer's attention in one kernel call: k, v [B, T, Hkv, Dh] written to `cache` (a
+    float32 KVCache) at rows row_start.., positions write_pos [B, T]; then q [B, T, H, Dh]
+    attends as `decode_attention` (no `allowed`, T = 1; counts: each sequence's keys) or as
+    `tree_attention` (allowed [B, T, S]: a verify pass's mask; counts from `key_counts`).
+    Returns [B, T, H * Dh]; call only where `kernel()` is not None."""
+    return torch.ops.adaspec.write_and_attend(q, k, v, cache.k, cache.v, layer, row_start, write_pos, counts,
+                                              allowed, q.shape[-1] ** -0.5)

@@ -99,6 +99,49 @@ def test_the_tree_kernel_gives_zeros_to_a_query_with_no_key_and_refuses_bad_coun
         decode_attention.tree_attention(q, keys, values, torch.tensor([9]), allowed)
 
 
+@pytest.mark.parametrize("T", [1, 4])
+def test_write_and_attend_writes_the_cache_then_attends_as_the_kernels_do(T):
+    """One call per layer: the pass's keys and values land at their rows and positions (and
+    nowhere else), and the output is the decode kernel's (T = 1) or the tree kernel's (a
+    verify pass) over the cache so written; a write past the cache is refused."""
+    B, H, Hkv, Dh, S = 3, 9, 3, 64, 48  # S a whole number of KEY_BLOCKs: the cache's max_len
+    gen = torch.Generator().manual_seed(T)
+    cache = KVCache.allocate(2, B + 2, Hkv, S, Dh)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=gen))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=gen))
+    before = KVCache(cache.k.clone(), cache.v.clone())
+    qkv = torch.randn(B, T, (H + 2 * Hkv) * Dh, generator=gen)  # strided views, as a layer's projection gives
+    q, k, v = (x.view(B, T, -1, Dh) for x in qkv.split([H * Dh, Hkv * Dh, Hkv * Dh], dim=-1))
+    starts = torch.tensor([5, 17, 30])
+    write = starts[:, None] + torch.arange(T)[None, :]
+    layer, row_start = 1, 1
+    if T == 1:
+        counts, allowed = write[:, 0] + 1, None
+    else:  # every node sees its prefix and itself and the first node: a small tree per row
+        key_len = int(write.max()) + 1
+        allowed = torch.arange(key_len)[None, None, :] <= write[:, :, None]
+        allowed &= (torch.arange(key_len)[None, None, :] < starts[:, None, None] + 1) | (
+            torch.arange(key_len)[None, None, :] == write[:, :, None])
+        allowed = allowed.contiguous()
+        counts = decode_attention.key_counts(allowed)
+    got = decode_attention.write_and_attend(q, k, v, cache, layer, row_start, write, counts, allowed)
+
+    keys, values = before.update(layer, row_start, write, k, v, S)
+    torch.testing.assert_close(cache.k, before.k, rtol=0, atol=0)  # the same writes, and only them
+    torch.testing.assert_close(cache.v, before.v, rtol=0, atol=0)
+    if T == 1:
+        want = decode_attention.decode_attention(q[:, 0], keys, values, counts).view(B, 1, H * Dh)
+    else:
+        want = decode_attention.tree_attention(q, keys[:, :, :allowed.shape[-1]], values[:, :, :allowed.shape[-1]],
+                                               counts, allowed)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(RuntimeError, match="write position 48 outside the cache"):
+        decode_attention.write_and_attend(q, k, v, cache, layer, row_start, write + S - int(write.max()), counts,
+                                          allowed)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        decode_attention.write_and_attend(q, k, v, cache, layer, 3, write, counts, allowed)
+
+
 def test_the_comparison_notices_one_key_too_few():
     q, keys, values, lengths = _case(B=4, H=9, Hkv=3, Dh=64, S=40, seed=1)
     short = (lengths - 1).clamp(min=1)
@@ -154,10 +197,10 @@ def test_one_token_passes_use_the_kernel_only_where_the_mask_is_a_prefix(monkeyp
     if hole:
         mask[0, 0, 0, 4:7] = False
     calls = []
-    real = decode_attention.decode_attention
-    monkeypatch.setattr(decode_attention, "decode_attention", lambda *a: calls.append(1) or real(*a))
+    real = decode_attention.write_and_attend
+    monkeypatch.setattr(decode_attention, "write_and_attend", lambda *a: calls.append(a[-1] is None) or real(*a))
     with_kernel = _one_token_pass(model, mask, 12)
-    assert len(calls) == (0 if hole else model.args.n_layers)
+    assert sum(calls) == (0 if hole else model.args.n_layers)  # calls without a tree mask
     model.decode_kernel = False
     torch.testing.assert_close(with_kernel, _one_token_pass(model, mask, 12), rtol=1e-5, atol=1e-5)
 
@@ -167,13 +210,14 @@ def test_an_engine_decoding_with_the_kernel_equals_recomputation(monkeypatch):
     the engine attends with the kernel, and greedy output is the model's own (no cache)."""
     target = build_model(tiny_args(vocab_size=64), seed=1, init_std=0.15)
     calls = []
-    real = decode_attention.decode_attention
+    real = decode_attention.write_and_attend
 
     def counted(*args):
+        assert args[-1] is None  # one-token passes only: no tree mask
         calls.append(args[0].shape[0])
         return real(*args)
 
-    monkeypatch.setattr(decode_attention, "decode_attention", counted)
+    monkeypatch.setattr(decode_attention, "write_and_attend", counted)
     engine = NativeEngine(target, NgramDrafter(max_n=3, min_n=1), EngineConfig(max_batch_size=3, max_seq_len=128),
                           SpecPolicy.parse("off"))
     assert target.uses_decode_kernel()

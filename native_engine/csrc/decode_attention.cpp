@@ -239,13 +239,80 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
   return out;
 }
 
-// An operator (torch.ops.adaspec.decode_attention), so profilers and the dispatcher see it.
+// A pass's attention over the float32 KV cache, its own keys and values written to the cache
+// first: what a layer of the native engine runs for a decode step (`counts`: each sequence's
+// length, no `allowed`) or a verify pass (`allowed`: the tree mask [B, T, S], S the pass's key
+// length). One call per layer instead of the cache write, the views and the kernel call from
+// Python: at batch 1 those cost 75 us a layer where the kernel took 10 (docs/native-engine.md,
+// "Decode attention").
+// q [B, T, H, D] and k, v [B, T, Hkv, D] float32, rows of D contiguous (views of the pass's qkv
+// projection); k_cache, v_cache [layers, rows, Hkv, max_len, D] contiguous: entry (b, t) goes to
+// row row_start + b, position write_pos[b, t] (int64 [B, T]). Output [B, T, H * D].
+torch::Tensor write_and_attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                               const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t layer,
+                               int64_t row_start, const torch::Tensor& write_pos, const torch::Tensor& counts,
+                               const std::optional<torch::Tensor>& allowed, double scale) {
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat, "q: [B, T, H, D] float32");
+  const int64_t B = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3);
+  TORCH_CHECK(k.dim() == 4 && k.size(0) == B && k.size(1) == T && k.size(3) == D && v.sizes() == k.sizes() &&
+              k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k.stride(3) == 1 && v.stride(3) == 1,
+              "k, v: [B, T, Hkv, D] float32, rows of D contiguous");
+  const int64_t Hkv = k.size(2);
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, H, " query heads cannot share ", Hkv, " KV heads");
+  TORCH_CHECK(k_cache.dim() == 5 && k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+              k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat && k_cache.size(2) == Hkv &&
+              k_cache.size(4) == D, "caches: [layers, rows, Hkv, max_len, D] float32, contiguous");
+  const int64_t rows = k_cache.size(1), S = k_cache.size(3);
+  TORCH_CHECK(layer >= 0 && layer < k_cache.size(0) && row_start >= 0 && row_start + B <= rows,
+              "layer ", layer, ", rows ", row_start, "..", row_start + B, " outside the cache");
+  TORCH_CHECK(write_pos.scalar_type() == at::kLong && write_pos.dim() == 2 && write_pos.size(0) == B && write_pos.size(1) == T,
+              "write_pos: [B, T] int64");
+  const auto pos_c = write_pos.contiguous();
+  const int64_t* pos = pos_c.data_ptr<int64_t>();
+  float* kc = k_cache.data_ptr<float>() + (layer * rows + row_start) * Hkv * S * D;
+  float* vc = v_cache.data_ptr<float>() + (layer * rows + row_start) * Hkv * S * D;
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t p = pos[b * T + t];
+      TORCH_CHECK(p >= 0 && p < S, "sequence ", b, ": write position ", p, " outside the cache (", S, ")");
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const int64_t at = ((b * Hkv + h) * S + p) * D;
+        std::copy_n(kp + b * k.stride(0) + t * k.stride(1) + h * k.stride(2), D, kc + at);
+        std::copy_n(vp + b * v.stride(0) + t * v.stride(1) + h * v.stride(2), D, vc + at);
+      }
+    }
+  // The keys the pass reads: the tree mask's width, or the longest sequence of a decode step.
+  int64_t read = S;
+  if (allowed) {
+    read = allowed->size(-1);
+  } else {
+    TORCH_CHECK(T == 1, "a pass without a tree mask takes one token per sequence, got ", T);
+    TORCH_CHECK(counts.scalar_type() == at::kLong && counts.dim() == 1 && counts.size(0) == B, "counts: [B] int64");
+    const auto counts_c = counts.contiguous();
+    const int64_t* n_of = counts_c.data_ptr<int64_t>();
+    read = B ? std::clamp<int64_t>(*std::max_element(n_of, n_of + B), 1, S) : 1;
+  }
+  TORCH_CHECK(read >= 1 && read <= S, "the pass reads ", read, " keys of ", S);
+  const auto keys = k_cache.select(0, layer).narrow(0, row_start, B).narrow(2, 0, read);
+  const auto values = v_cache.select(0, layer).narrow(0, row_start, B).narrow(2, 0, read);
+  if (!allowed)
+    return decode_attention(q.reshape({B, Hkv, H / Hkv, D}).contiguous(), keys, values, counts, scale).view({B, 1, H * D});
+  const auto grouped = q.reshape({B, T, Hkv, H / Hkv, D}).transpose(1, 2).contiguous();  // [B, Hkv, T, G, D]
+  return tree_attention(grouped, keys, values, counts, *allowed, scale).transpose(1, 2).reshape({B, T, H * D});
+}
+
+// Operators (torch.ops.adaspec.*), so profilers and the dispatcher see them.
 TORCH_LIBRARY_FRAGMENT(adaspec, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor lengths, float scale) -> Tensor");
   m.def("tree_attention(Tensor q, Tensor k, Tensor v, Tensor counts, Tensor allowed, float scale) -> Tensor");
+  m.def("write_and_attend(Tensor q, Tensor k, Tensor v, Tensor k_cache, Tensor v_cache, int layer, int row_start, "
+        "Tensor write_pos, Tensor counts, Tensor? allowed, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(adaspec, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("tree_attention", &tree_attention);
+  m.impl("write_and_attend", &write_and_attend);
 }
