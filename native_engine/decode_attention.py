@@ -6,7 +6,9 @@ runs it as two small GEMMs and a masked softmax per (sequence, KV head); the ker
 sequence's keys and values once, up to its own length instead of the batch's longest, with
 the query heads that share a KV head side by side (docs/native-engine.md, "Decode attention").
 A verify pass (a draft tree's tokens per sequence) runs the same loops under its tree mask
-(`tree_attention`), each sequence over its own keys rather than the batch's longest.
+(`tree_attention`), each sequence over its own keys rather than the batch's longest. The
+engine calls both through `write_and_attend`, which writes the pass's keys and values to the
+cache first, in the same C++ call.
 
 Built with adaspec's other CPU kernels (native_engine/cpu_kernels.py). Where it cannot run,
 `kernel()` returns None and attention stays torch's: a CPU without AVX2 and FMA, no C++

@@ -5,7 +5,7 @@ Why: a batch-1 decode step reads every weight once, and on 4 KB pages a pass ove
 stream. Linux backs a region with 2 MB pages only where asked (`madvise` mode, the default of
 many distributions, and of this project's machines), and neither torch nor glibc asks. On 2
 AMD EPYC (Zen 2) cores the panel kernel's pass over SmolLM2's weights took 8-12% less time on
-2 MB pages (docs/native-engine.md, "Huge pages"). Elsewhere (another OS, huge pages off) the
+2 MB pages (docs/native-engine.md, "The panel matmul": huge pages). Elsewhere (another OS, huge pages off) the
 advice is refused and the memory is ordinary: nothing else changes.
 """
 

@@ -216,7 +216,8 @@ class ForwardInputs:
     (native_engine/decode_attention.py): how many cache positions each row's token attends,
     a prefix of its row (`prefix_lengths`).
     tree_keys: (counts [B] int64, allowed [B, T, S] bool) set when any other pass over a cache
-    runs the decode-attention kernels (`decode_attention.tree_attention`): a verify pass.
+    runs the decode-attention kernels (the tree kernel): a verify pass. Either way a layer's
+    cache write and attention are one call (`decode_attention.write_and_attend`).
     prompt_lengths: set for a prefill (`prompt_attention`): the pass's tokens [1, N] are
     prompts of these lengths one after another, for cache rows row_start.. at positions 0..;
     mask and write_pos are then unused."""

@@ -135,6 +135,12 @@ def test_write_and_attend_writes_the_cache_then_attends_as_the_kernels_do(T):
         want = decode_attention.tree_attention(q, keys[:, :, :allowed.shape[-1]], values[:, :, :allowed.shape[-1]],
                                                counts, allowed)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    # Other layouts (heads not contiguous): the same writes and output.
+    odd = q.transpose(1, 2).contiguous().transpose(1, 2)
+    again = decode_attention.write_and_attend(odd, k.transpose(1, 2).contiguous().transpose(1, 2), v, cache, layer,
+                                              row_start, write, counts, allowed)
+    torch.testing.assert_close(again, got, rtol=0, atol=0)
+    torch.testing.assert_close(cache.k, before.k, rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="write position 48 outside the cache"):
         decode_attention.write_and_attend(q, k, v, cache, layer, row_start, write + S - int(write.max()), counts,
                                           allowed)

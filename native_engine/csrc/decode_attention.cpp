@@ -162,22 +162,65 @@ void attend(const float* q, const float* k, const float* v, int64_t n, int64_t G
   }
 }
 
-// k, v [B, Hkv, S, D] float32 with rows of D contiguous; counts [B] int64 in 1..S (keys per
-// sequence). Returns counts, contiguous.
-torch::Tensor checked_inputs(const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& counts,
-                             int64_t B, int64_t Hkv, int64_t D) {
+// Where one pass's pieces live. The query of (sequence b, token t, KV head h) - the G query
+// heads of the group side by side, rows of D - is at q + b * q_b + t * q_t + h * q_h, its
+// output at out + b * o_b + t * o_t + h * o_h; the keys and values of (b, h) at
+// k + b * k_b + h * k_h and v + b * v_b + h * v_h, key s D floats after key s - 1. Sequence b
+// reads its first counts[b] keys; with `allowed` (a tree mask, [B, T, width] bytes), query
+// (b, t) only those where allowed[(b * T + t) * width + s]. So each op below hands the loops
+// views as they are, without copying its queries into the kernel's order or its output out of it.
+struct Pass {
+  const float* q;
+  const float* k;
+  const float* v;
+  float* out;
+  int64_t q_b, q_t, q_h, o_b, o_t, o_h, k_b, k_h, v_b, v_h;
+  int64_t B, T, Hkv, G, D;
+  const int64_t* counts;
+  const uint8_t* allowed;
+  int64_t width;
+  float scale;
+};
+
+void run(const Pass& p) {
+  const int64_t most = p.B ? *std::max_element(p.counts, p.counts + p.B) : 0;
+  at::parallel_for(0, p.B * p.Hkv * p.T, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(std::min<int64_t>(4, p.G) * most);
+    for (int64_t item = begin; item < end; ++item) {  // item = (b * Hkv + h) * T + t
+      const int64_t t = item % p.T, h = (item / p.T) % p.Hkv, b = item / (p.T * p.Hkv);
+      attend(p.q + b * p.q_b + t * p.q_t + h * p.q_h, p.k + b * p.k_b + h * p.k_h, p.v + b * p.v_b + h * p.v_h,
+             p.counts[b], p.G, p.D, p.scale, p.allowed ? p.allowed + (b * p.T + t) * p.width : nullptr,
+             scores.data(), most, p.out + b * p.o_b + t * p.o_t + h * p.o_h);
+    }
+  });
+}
+
+// counts [B] int64, each in 1..limit (keys per sequence). Returns it contiguous.
+torch::Tensor checked_counts(const torch::Tensor& counts, int64_t B, int64_t limit) {
+  TORCH_CHECK(counts.scalar_type() == at::kLong && counts.dim() == 1 && counts.size(0) == B, "keys per sequence: [B] int64");
+  auto counts_c = counts.contiguous();
+  const int64_t* n_of = counts_c.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(n_of[b] >= 1 && n_of[b] <= limit, "sequence ", b, ": ", n_of[b], " keys of ", limit);
+  return counts_c;
+}
+
+// k, v [B, Hkv, S, D] float32 with rows of D contiguous (views of the cache).
+void check_keys(const torch::Tensor& k, const torch::Tensor& v, int64_t B, int64_t Hkv, int64_t D) {
   TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat, "float32 only");
   TORCH_CHECK(D % 16 == 0, "head dim must be a multiple of 16, got ", D);
   TORCH_CHECK(k.dim() == 4 && k.size(0) == B && k.size(1) == Hkv && k.size(3) == D && v.sizes() == k.sizes(),
               "k, v: [B, Hkv, S, D]");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && k.stride(2) == D && v.stride(2) == D,
               "k, v: rows of D contiguous floats");
-  TORCH_CHECK(counts.scalar_type() == at::kLong && counts.dim() == 1 && counts.size(0) == B, "keys per sequence: [B] int64");
-  auto counts_c = counts.contiguous();
-  const int64_t* n_of = counts_c.data_ptr<int64_t>();
-  const int64_t S = k.size(2);
-  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(n_of[b] >= 1 && n_of[b] <= S, "sequence ", b, ": ", n_of[b], " keys of ", S);
-  return counts_c;
+}
+
+// allowed [B, T, width] bool, contiguous: a verify pass's mask.
+const uint8_t* checked_mask(const torch::Tensor& allowed, int64_t B, int64_t T, int64_t width) {
+  TORCH_CHECK(allowed.scalar_type() == at::kBool && allowed.is_contiguous() && allowed.dim() == 3 &&
+              allowed.size(0) == B && allowed.size(1) == T && allowed.size(2) == width,
+              "allowed: [B, T, ", width, "] bool, contiguous");
+  return reinterpret_cast<const uint8_t*>(allowed.data_ptr<bool>());
 }
 
 }  // namespace
@@ -192,71 +235,54 @@ torch::Tensor tree_attention(const torch::Tensor& q, const torch::Tensor& k, con
                              const torch::Tensor& counts, const torch::Tensor& allowed, double scale) {
   TORCH_CHECK(q.dim() == 5 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: [B, Hkv, T, G, D] float32, contiguous");
   const int64_t B = q.size(0), Hkv = q.size(1), T = q.size(2), G = q.size(3), D = q.size(4);
-  const auto counts_c = checked_inputs(k, v, counts, B, Hkv, D);
+  check_keys(k, v, B, Hkv, D);
   const int64_t S = k.size(2);
-  const int64_t* n_of = counts_c.data_ptr<int64_t>();
-  TORCH_CHECK(allowed.scalar_type() == at::kBool && allowed.is_contiguous() && allowed.dim() == 3 &&
-              allowed.size(0) == B && allowed.size(1) == T && allowed.size(2) == S, "allowed: [B, T, S] bool, contiguous");
-
+  const auto counts_c = checked_counts(counts, B, S);
   auto out = torch::empty_like(q);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  const uint8_t* ap = reinterpret_cast<const uint8_t*>(allowed.data_ptr<bool>());
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, B * Hkv * T, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(std::min<int64_t>(4, G) * S);
-    for (int64_t item = begin; item < end; ++item) {  // item = (b * Hkv + h) * T + t
-      const int64_t t = item % T, h = (item / T) % Hkv, b = item / (T * Hkv);
-      attend(qp + item * G * D, kp + b * k.stride(0) + h * k.stride(1), vp + b * v.stride(0) + h * v.stride(1),
-             n_of[b], G, D, static_cast<float>(scale), ap + (b * T + t) * S, scores.data(), S, op + item * G * D);
-    }
-  });
+  run({q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
+       Hkv * T * G * D, G * D, T * G * D, Hkv * T * G * D, G * D, T * G * D, k.stride(0), k.stride(1), v.stride(0),
+       v.stride(1), B, T, Hkv, G, D, counts_c.data_ptr<int64_t>(), checked_mask(allowed, B, T, S), S,
+       static_cast<float>(scale)});
   return out;
 }
 
+// A decode step's attention: q [B, Hkv, G, D] contiguous; k, v [B, Hkv, S, D]; lengths [B]
+// int64, keys per sequence (<= S). Output [B, Hkv, G, D].
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const torch::Tensor& lengths, double scale) {
   TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: [B, Hkv, G, D] float32, contiguous");
   const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), D = q.size(3);
-  const auto lengths_c = checked_inputs(k, v, lengths, B, Hkv, D);
-  const int64_t S = k.size(2);
-  const int64_t* n_of = lengths_c.data_ptr<int64_t>();
-
+  check_keys(k, v, B, Hkv, D);
+  const auto lengths_c = checked_counts(lengths, B, k.size(2));
   auto out = torch::empty_like(q);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(std::min<int64_t>(4, G) * S);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / Hkv, h = item % Hkv;
-      attend(qp + item * G * D, kp + b * k.stride(0) + h * k.stride(1), vp + b * v.stride(0) + h * v.stride(1),
-             n_of[b], G, D, static_cast<float>(scale), nullptr, scores.data(), S, op + item * G * D);
-    }
-  });
+  run({q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), out.data_ptr<float>(),
+       Hkv * G * D, 0, G * D, Hkv * G * D, 0, G * D, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+       B, 1, Hkv, G, D, lengths_c.data_ptr<int64_t>(), nullptr, 0, static_cast<float>(scale)});
   return out;
 }
 
 // A pass's attention over the float32 KV cache, its own keys and values written to the cache
 // first: what a layer of the native engine runs for a decode step (`counts`: each sequence's
 // length, no `allowed`) or a verify pass (`allowed`: the tree mask [B, T, S], S the pass's key
-// length). One call per layer instead of the cache write, the views and the kernel call from
-// Python: at batch 1 those cost 75 us a layer where the kernel took 10 (docs/native-engine.md,
-// "Decode attention").
-// q [B, T, H, D] and k, v [B, T, Hkv, D] float32, rows of D contiguous (views of the pass's qkv
-// projection); k_cache, v_cache [layers, rows, Hkv, max_len, D] contiguous: entry (b, t) goes to
-// row row_start + b, position write_pos[b, t] (int64 [B, T]). Output [B, T, H * D].
-torch::Tensor write_and_attend(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+// length; counts within it). One call per layer instead of the cache write, the views and the
+// kernel call from Python: at batch 1 those cost 75 us a layer where the kernel took 10
+// (docs/native-engine.md, "Decode attention").
+// q [B, T, H, D] and k, v [B, T, Hkv, D] float32 (views of the pass's qkv projection, read in
+// place where each head's D floats are contiguous); k_cache, v_cache [layers, rows, Hkv, max_len, D] contiguous: entry
+// (b, t) goes to row row_start + b, position write_pos[b, t] (int64 [B, T]). Output [B, T, H * D].
+torch::Tensor write_and_attend(const torch::Tensor& q_in, const torch::Tensor& k_in, const torch::Tensor& v_in,
                                const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t layer,
                                int64_t row_start, const torch::Tensor& write_pos, const torch::Tensor& counts,
                                const std::optional<torch::Tensor>& allowed, double scale) {
-  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat, "q: [B, T, H, D] float32");
-  const int64_t B = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3);
+  TORCH_CHECK(q_in.dim() == 4 && q_in.scalar_type() == at::kFloat, "q: [B, T, H, D] float32");
+  const int64_t B = q_in.size(0), T = q_in.size(1), H = q_in.size(2), D = q_in.size(3);
+  // Other layouts (a compiled graph may hand over any) are copied into this one.
+  const auto q = q_in.stride(3) == 1 && q_in.stride(2) == D ? q_in : q_in.contiguous();
+  const auto k = k_in.dim() == 4 && k_in.stride(3) == 1 ? k_in : k_in.contiguous();
+  const auto v = v_in.dim() == 4 && v_in.stride(3) == 1 ? v_in : v_in.contiguous();
+  TORCH_CHECK(D % 16 == 0, "head dim must be a multiple of 16, got ", D);
   TORCH_CHECK(k.dim() == 4 && k.size(0) == B && k.size(1) == T && k.size(3) == D && v.sizes() == k.sizes() &&
-              k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k.stride(3) == 1 && v.stride(3) == 1,
-              "k, v: [B, T, Hkv, D] float32, rows of D contiguous");
+              k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat, "k, v: [B, T, Hkv, D] float32");
   const int64_t Hkv = k.size(2);
   TORCH_CHECK(Hkv > 0 && H % Hkv == 0, H, " query heads cannot share ", Hkv, " KV heads");
   TORCH_CHECK(k_cache.dim() == 5 && k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
@@ -267,6 +293,11 @@ torch::Tensor write_and_attend(const torch::Tensor& q, const torch::Tensor& k, c
               "layer ", layer, ", rows ", row_start, "..", row_start + B, " outside the cache");
   TORCH_CHECK(write_pos.scalar_type() == at::kLong && write_pos.dim() == 2 && write_pos.size(0) == B && write_pos.size(1) == T,
               "write_pos: [B, T] int64");
+  TORCH_CHECK(allowed || T == 1, "a pass without a tree mask takes one token per sequence, got ", T);
+  const int64_t width = allowed ? allowed->size(-1) : S;
+  TORCH_CHECK(width >= 1 && width <= S, "the pass reads ", width, " keys of ", S);
+  const uint8_t* mask = allowed ? checked_mask(*allowed, B, T, width) : nullptr;
+  const auto counts_c = checked_counts(counts, B, width);
   const auto pos_c = write_pos.contiguous();
   const int64_t* pos = pos_c.data_ptr<int64_t>();
   float* kc = k_cache.data_ptr<float>() + (layer * rows + row_start) * Hkv * S * D;
@@ -283,24 +314,12 @@ torch::Tensor write_and_attend(const torch::Tensor& q, const torch::Tensor& k, c
         std::copy_n(vp + b * v.stride(0) + t * v.stride(1) + h * v.stride(2), D, vc + at);
       }
     }
-  // The keys the pass reads: the tree mask's width, or the longest sequence of a decode step.
-  int64_t read = S;
-  if (allowed) {
-    read = allowed->size(-1);
-  } else {
-    TORCH_CHECK(T == 1, "a pass without a tree mask takes one token per sequence, got ", T);
-    TORCH_CHECK(counts.scalar_type() == at::kLong && counts.dim() == 1 && counts.size(0) == B, "counts: [B] int64");
-    const auto counts_c = counts.contiguous();
-    const int64_t* n_of = counts_c.data_ptr<int64_t>();
-    read = B ? std::clamp<int64_t>(*std::max_element(n_of, n_of + B), 1, S) : 1;
-  }
-  TORCH_CHECK(read >= 1 && read <= S, "the pass reads ", read, " keys of ", S);
-  const auto keys = k_cache.select(0, layer).narrow(0, row_start, B).narrow(2, 0, read);
-  const auto values = v_cache.select(0, layer).narrow(0, row_start, B).narrow(2, 0, read);
-  if (!allowed)
-    return decode_attention(q.reshape({B, Hkv, H / Hkv, D}).contiguous(), keys, values, counts, scale).view({B, 1, H * D});
-  const auto grouped = q.reshape({B, T, Hkv, H / Hkv, D}).transpose(1, 2).contiguous();  // [B, Hkv, T, G, D]
-  return tree_attention(grouped, keys, values, counts, *allowed, scale).transpose(1, 2).reshape({B, T, H * D});
+  const int64_t G = H / Hkv;
+  auto out = torch::empty({B, T, H * D}, q.options());
+  run({q.data_ptr<float>(), kc, vc, out.data_ptr<float>(), q.stride(0), q.stride(1), G * D, T * H * D, H * D, G * D,
+       Hkv * S * D, S * D, Hkv * S * D, S * D, B, T, Hkv, G, D, counts_c.data_ptr<int64_t>(), mask, width,
+       static_cast<float>(scale)});
+  return out;
 }
 
 // Operators (torch.ops.adaspec.*), so profilers and the dispatcher see them.
