@@ -11,46 +11,37 @@ advice is refused and the memory is ordinary: nothing else changes.
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import sys
+import mmap
 
 import torch
 
 PAGE = 2 << 20  # bytes in a huge page on x86-64 and arm64 Linux
-MADV_HUGEPAGE = 14  # <sys/mman.h>
-
-
-@functools.cache
-def _madvise():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return fn
-
-
-def advise(address: int, nbytes: int) -> bool:
-    """Ask Linux to back [address, address + nbytes) with huge pages (both multiples of PAGE);
-    whether it agreed."""
-    fn = _madvise()
-    return fn is not None and fn(address, nbytes, MADV_HUGEPAGE) == 0
 
 
 def empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised 1-D CPU tensor of `numel` elements starting on a 2 MB boundary, its
     pages advised huge before anything touches them (the first write then faults in 2 MB pages).
-    Up to 2 MB of address space more than it needs, and at most one partly used huge page."""
+    A fresh anonymous mapping, not the allocator's: in a process that has run a while, glibc
+    hands out heap memory that was written before, whose 4 KB pages the advice does not
+    replace (seen in the test suite's process). Up to 2 MB of address space more than it needs,
+    and at most one partly used huge page."""
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     span = -(-nbytes // PAGE) * PAGE
-    raw = torch.empty(span + PAGE, dtype=torch.uint8)  # large enough that the allocator maps fresh pages
-    start = -raw.data_ptr() % PAGE
-    region = raw[start:start + span]
-    advise(region.data_ptr(), span)
-    return region.view(dtype)[:numel]
+    # Private: a shared anonymous mapping is shmem, which huge pages in `madvise` mode skip.
+    region = mmap.mmap(-1, span + PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # page-aligned
+    start = -_address(region) % PAGE
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux; elsewhere the memory stays ordinary
+        try:
+            region.madvise(mmap.MADV_HUGEPAGE, start, span)
+        except OSError:
+            pass  # huge pages off: ordinary pages
+    # The tensor holds the mapping alive (torch.frombuffer keeps a reference to it).
+    return torch.frombuffer(region, dtype=torch.uint8, count=span, offset=start).view(dtype)[:numel]
+
+
+def _address(region: mmap.mmap) -> int:
+    """Where a mapping starts in memory."""
+    return torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr()
 
 
 def gather(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -33,17 +33,21 @@ def test_gather_copies_in_order_into_one_region():
     assert copies[0].untyped_storage().data_ptr() == copies[2].untyped_storage().data_ptr()
 
 
-def _anon_huge_kb(address: int) -> int:
-    """AnonHugePages (kB) of this process's mapping that holds `address` (/proc/self/smaps)."""
+def _mapping(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of this process's mapping that holds `address`."""
+    fields: dict[str, str] = {}
     inside = False
     for line in Path("/proc/self/smaps").read_text().splitlines():
         head = line.split()[0]
         if "-" in head and ":" not in head:
+            if inside:
+                break
             start, end = (int(x, 16) for x in head.split("-"))
             inside = start <= address < end
-        elif inside and line.startswith("AnonHugePages:"):
-            return int(line.split()[1])
-    return 0
+        elif inside:
+            key, _, value = line.partition(":")
+            fields[key] = value.strip()
+    return fields
 
 
 def _thp_mode() -> str:
@@ -56,12 +60,16 @@ def _thp_mode() -> str:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or _thp_mode() not in ("always", "madvise"),
                     reason="Linux with transparent huge pages on (always or madvise)")
-def test_linux_backs_the_region_with_huge_pages():
+def test_the_region_is_advised_huge_and_the_allocators_memory_is_not():
+    """The region carries the advice (VmFlags `hg`). Whether Linux then grants 2 MB pages depends
+    on the free memory of the moment (in the full test suite, with its servers up, it granted
+    none), so AnonHugePages is only reported."""
     t = huge_pages.gather([torch.ones(3 << 20)])[0]  # 12 MB
-    assert _anon_huge_kb(t.data_ptr()) >= 2048
-    plain = torch.ones(3 << 20)  # the allocator's own: not advised (under madvise nothing is huge)
-    if _thp_mode() == "madvise":
-        assert _anon_huge_kb(plain.data_ptr()) == 0
+    region = _mapping(t.data_ptr())
+    assert "hg" in region["VmFlags"].split(), region
+    plain = torch.ones(3 << 20)
+    assert "hg" not in _mapping(plain.data_ptr()).get("VmFlags", "").split()
+    print("AnonHugePages of the region:", region.get("AnonHugePages"))
 
 
 @pytest.mark.skipif(not cpu_kernels.load(), reason="the panel kernel needs an x86 CPU with AVX2 and a C++ compiler")
