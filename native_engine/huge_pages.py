@@ -4,9 +4,10 @@ Why: a batch-1 decode step reads every weight once, and on 4 KB pages a pass ove
 538 MB touches 131,000 pages, a TLB miss and a page walk every 4 KB on top of the memory
 stream. Linux backs a region with 2 MB pages only where asked (`madvise` mode, the default of
 many distributions, and of this project's machines), and neither torch nor glibc asks. On 2
-AMD EPYC (Zen 2) cores the panel kernel's pass over SmolLM2's weights took 8-12% less time on
-2 MB pages (docs/native-engine.md, "The panel matmul": huge pages). Elsewhere (another OS, huge pages off) the
-advice is refused and the memory is ordinary: nothing else changes.
+AMD EPYC (Zen 2) cores the panel kernel's pass over SmolLM2's weights took 7-12% less time on
+2 MB pages (20.5 / 20.7 against 23.4 / 22.4 ms), a decode step 1-6% less (docs/native-engine.md,
+"The panel matmul": huge pages). Elsewhere (another OS, huge pages off) the advice is refused
+and the memory is ordinary: nothing else changes.
 """
 
 from __future__ import annotations
