@@ -4,7 +4,7 @@ For each dtype (float32, and bfloat16 where oneDNN runs it), the default model a
 no speculation, greedy: the median step time over `--steps` decode steps, then a
 torch.profiler profile of as many more, its ops grouped into
 - matmuls (the linears: oneDNN's packed matmul, a BLAS gemv, adaspec's panel kernel, or compiled, MKL's packed sgemm),
-- attention (scaled_dot_product_attention, and adaspec::decode_attention: the decode-attention kernel),
+- attention (scaled_dot_product_attention, and adaspec's attention kernels: write_and_attend, decode_attention, tree_attention),
 - other ops (RMSNorm, RoPE, KV-cache writes, activations, residual adds, views, copies),
 - outside any op: Python, the engine's scheduling, sampling (the profiled step's wall time
   minus the ops' own time);
@@ -54,8 +54,10 @@ from native_engine.requests import SamplingParams
 
 MODEL = "smollm2-135m-instruct"
 PROMPT = "Write a long story about a dragon who learns to read, told by the dragon."
-MATMUL_OPS = {"mkldnn::_linear_pointwise", "mkl::_mkl_linear", "adaspec::panel_matmul", "aten::mm", "aten::addmm",
-              "aten::bmm", "aten::mv", "aten::addmv", "aten::dot"}
+MATMUL_OPS = {"mkldnn::_linear_pointwise", "mkl::_mkl_linear", "adaspec::panel_matmul", "adaspec::panel_matmul_bf16",
+              "aten::mm", "aten::addmm", "aten::bmm", "aten::mv", "aten::addmv", "aten::dot"}
+# adaspec's attention kernels (native_engine/decode_attention.py), write_and_attend the one a decode step calls.
+ATTENTION_OPS = {"adaspec::decode_attention", "adaspec::tree_attention", "adaspec::write_and_attend"}
 PARTS = ("matmul", "attention", "other ops", "outside ops")
 BF16_GOAL = 1.6  # issue 19: batch-1 decode in bfloat16 at least 1.6x float32's tokens/s
 
@@ -63,7 +65,7 @@ BF16_GOAL = 1.6  # issue 19: batch-1 decode in bfloat16 at least 1.6x float32's 
 def part_of(op: str) -> str:
     if op in MATMUL_OPS:
         return "matmul"
-    if "scaled_dot_product" in op or op == "adaspec::decode_attention":
+    if "scaled_dot_product" in op or op in ATTENTION_OPS:
         return "attention"
     return "other ops"
 
@@ -241,7 +243,7 @@ def main() -> None:
     for run in runs:
         s, p = run["summary"], run["parts_ms"]
         print(f"| {run['engine']} | {run['step_ms']:.1f} | {s['limit_ms']:.1f} ({run['weight_bytes'] / 1e6:.0f} MB) | "
-              f"{100 * s['fraction_of_limit']:.0f}% | {p['matmul']:.1f} ({s['matmul_gbs']:.1f}) | "
+              f"{100 * s['fraction_of_limit']:.0f}% | {p['matmul']:.1f} ({s['matmul_gbs'] or 0:.1f}) | "
               f"{p['attention']:.1f} | {p['other ops']:.1f} | {p['outside ops']:.1f} | {run['ops_per_step']:.0f} |")
     print("(parts from the profiled steps, which the profiler slows a little: "
           + ", ".join(f"{r['engine']} {r['profiled_step_ms']:.1f} ms" for r in runs) + ")")

@@ -5,7 +5,8 @@
 - `torch.ops.adaspec.panel_matmul`: the float32 matmul of a pass of up to a few hundred
   tokens (a decode step of 1-16 sequences, a verify pass, a short prompt), streaming the
   weight held in panels of 16 output features (`CpuLinear`'s "panels" path,
-  native_engine/model.py).
+  native_engine/model.py); `panel_matmul_bf16` the same for bfloat16 weights (float32
+  arithmetic, widened with AVX2 shifts: no BF16 instructions needed).
 
 C++ with AVX2/FMA intrinsics, compiled once per machine with torch's extension builder (about
 35 s on 2 cores; cached under $TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions, and
@@ -45,6 +46,6 @@ def load() -> bool:
         logger.warning("adaspec: the CPU kernels did not build (%s: %s); the native engine uses torch's "
                        "attention and matmuls", type(e).__name__, str(e)[:300])
         return False
-    torch.library.register_fake("adaspec::panel_matmul")(
-        lambda x, w: x.new_empty(x.shape[0], w.shape[0] * w.shape[2]))  # shapes for torch.compile's tracing
+    for op in ("adaspec::panel_matmul", "adaspec::panel_matmul_bf16"):  # shapes for torch.compile's tracing
+        torch.library.register_fake(op)(lambda x, w: x.new_empty(x.shape[0], w.shape[0] * w.shape[2]))
     return True

@@ -1,4 +1,6 @@
-"""The float32 decode-attention kernels (csrc/decode_attention.cpp), where they can run.
+"""The decode-attention kernels (csrc/decode_attention.cpp), where they can run: float32
+arithmetic over a float32 KV cache, for float32 models and bfloat16 ones (whose q, k and v
+`write_and_attend` widens, and whose output it rounds back; `Transformer.cache_dtype`).
 
 A decode step's attention (one new token per sequence over its KV cache) is the one part of
 a batch-16 step that grows with the cache and not with the weights. torch's CPU attention
@@ -29,7 +31,7 @@ def kernel():
 
 def supports(head_dim: int, dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether the kernel takes a model of this head size, dtype and device."""
-    return torch.device(device).type == "cpu" and dtype == torch.float32 and head_dim % 16 == 0
+    return torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16) and head_dim % 16 == 0
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor
@@ -68,8 +70,8 @@ def key_counts(allowed: torch.Tensor) -> torch.Tensor:
 def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache, layer: int, row_start: int,
                      write_pos: torch.Tensor, counts: torch.Tensor, allowed: torch.Tensor | None = None
                      ) -> torch.Tensor:
-    """A layer's attention in one kernel call: k, v [B, T, Hkv, Dh] written to `cache` (a
-    float32 KVCache) at rows row_start.., positions write_pos [B, T]; then q [B, T, H, Dh]
+    """A layer's attention in one kernel call: k, v [B, T, Hkv, Dh] (float32 or bfloat16, as q)
+    written to `cache` (a float32 KVCache) at rows row_start.., positions write_pos [B, T]; then q [B, T, H, Dh]
     attends as `decode_attention` (no `allowed`, T = 1; counts: each sequence's keys) or as
     `tree_attention` (allowed [B, T, S]: a verify pass's mask; counts from `key_counts`).
     Returns [B, T, H * Dh]; call only where `kernel()` is not None."""

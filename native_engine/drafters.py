@@ -121,7 +121,8 @@ class DraftModelDrafter:
         w = model.lm_head.weight
         # Room after a sequence for every expanded node plus one pad column per frontier row.
         length = max_len + 2 * max_expanded_nodes
-        self.cache = KVCache.allocate(a.n_layers, rows, a.n_kv_heads, length, a.head_dim, w.dtype, w.device)
+        self.cache = KVCache.allocate(a.n_layers, rows, a.n_kv_heads, length, a.head_dim, model.cache_dtype(),
+                                      w.device)
         self.cached = [0] * rows  # [row] -> tokens of the committed sequence held in the cache
         self.device = w.device
 

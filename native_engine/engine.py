@@ -75,7 +75,7 @@ class NativeEngine:
         a, w = model.args, model.lm_head.weight
         self.device = w.device
         self.cache = KVCache.allocate(a.n_layers, config.max_batch_size, a.n_kv_heads, config.max_seq_len,
-                                      a.head_dim, w.dtype, w.device)
+                                      a.head_dim, model.cache_dtype(), w.device)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._aborted: list[Request] = []

@@ -58,6 +58,7 @@ class KVCache:
         """Write k, v [B, T, Hkv, Dh] at positions write_pos [B, T] of rows row_start.. +B;
         return those rows' keys and values [B, Hkv, key_len, Dh] (views, no copy)."""
         B, T = write_pos.shape
+        k, v = k.to(self.k.dtype), v.to(self.v.dtype)  # a bfloat16 model's float32 cache (Transformer.cache_dtype)
         # The engine checks capacity once per step (a check here would sync every layer).
         if B == 1:  # one row: a plain index_copy_, cheaper than advanced indexing at decode
             self.k[layer, row_start].index_copy_(1, write_pos[0], k[0].transpose(0, 1))

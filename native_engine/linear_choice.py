@@ -5,17 +5,30 @@ A `CpuLinear` (native_engine/model.py) can run its weight four ways:
 - "linear": the usual [out, in] layout, `F.linear` (MKL's sgemm on a transposed operand, which
   at 2-3 rows streams each weight row once for all of them: chain1/chain2 verify passes);
 - "packed": oneDNN's prepacked blocked layout (verify passes, batches, prefill);
-- "panels": adaspec's own float32 kernel on the weight in panels of 16 output features
-  (native_engine/cpu_kernels.py), where it builds: on 2 AMD EPYC (Zen 2) cores 1.3-1.5x
-  faster than oneDNN's packed matmul at 1-16 rows, 1.14-1.36x at 24-256.
+- "panels": adaspec's own kernel (float32 or bfloat16) on the weight in panels of 16 output
+  features (native_engine/cpu_kernels.py), where it builds: on 2 AMD EPYC (Zen 2) cores
+  1.3-1.5x faster than oneDNN's packed matmul at 1-16 rows, 1.14-1.36x at 24-256 (float32).
 Which is fastest depends on the CPU, its BLAS, the dtype, the model's shapes and the number
 of rows: on this project's 2-core machine "gemv" and "packed" have each won at one token on
 different days, and "linear" beat both by 15% at 2-3 rows in float32 and lost everywhere in
 bfloat16 (docs/native-engine.md). So when a model is prepared for serving, whole forwards of
 TOKEN_COUNTS tokens are timed on each path (interleaved), and a pass of r rows takes the path
-that was fastest at the smallest timed count >= r; above the largest, the packed layout. The
-answer is cached per machine (CPU model, cores, torch threads, torch version) and model shape
-and dtype, in $ADASPEC_CACHE_DIR/linear-choice.json, so a restart does not measure again.
+that was fastest at the smallest timed count >= r; above the largest, the packed layout.
+
+In bfloat16 every decode step and verify pass takes one path (`one_path`): the fastest summed
+over the counts up to STEP_TOKENS (decode steps of up to 16 sequences, verify passes of a few);
+prefills keep the path by token count. Each path sums a row's products in its own order, and
+bfloat16 rounds every layer's output, so a token's logits from a decode step (one row) and
+from a verify pass (several) differ in their last bits where the two take different paths;
+bfloat16 logits tie often (35.75 against 35.75), and greedy output under speculation then left
+`off`'s: at token 3 of a HumanEval prompt with the panel kernel at 1-4 rows and oneDNN's above
+(2026-12-05, Intel Xeon with AMX). With one path, a token's sums are the same whatever pass
+computes it (docs/native-engine.md). A prompt's tokens are only ever computed by prefills,
+and the same prompts prefilled together take the same path. In float32 the paths differ by
+about 1e-7 and greedy output agrees.
+
+The answer is cached per machine (CPU model, cores, torch threads, torch version) and model
+shape and dtype, in $ADASPEC_CACHE_DIR/linear-choice.json, so a restart does not measure again.
 """
 
 from __future__ import annotations
@@ -38,25 +51,34 @@ PATHS = ("gemv", "linear", "packed", "panels")
 # at 256 (docs/native-engine.md, "The panel matmul"); wider passes keep oneDNN's.
 TOKEN_COUNTS = (1, 2, 3, 4, 8, 16, 32, 64, 128, 256)
 REPS = 3  # timed forwards per path and token count, after one warm-up each
+STEP_TOKENS = 16  # bfloat16: the counts up to this one choose the path of decode steps and verify passes
 
 
 @dataclass
 class LinearChoice:
-    """The fastest path at each timed token count; more rows than the largest take "packed"."""
+    """The fastest path at each timed token count; more rows than the largest take `wider`."""
 
     path_by_tokens: dict[int, str]  # timed token count -> the path a pass of up to that many rows takes
     times_ms: dict[str, dict[int, float]] = field(default_factory=dict)  # path -> tokens -> ms per forward
     cached: bool = False  # read from the cache file, not measured in this process
+    steps: str | None = None  # bfloat16: the one path of every pass but a prefill's (`one_path`)
 
     def route(self) -> tuple[str, ...]:
         """The path of a pass of r rows at index r (index 0 unused); the last entry is the
-        path of every wider pass."""
+        path of every wider pass. With `steps`, that path at every index."""
+        if self.steps is not None:
+            return (self.steps,) * (max(self.path_by_tokens) + 2)
+        return self.prefill_route()
+
+    def prefill_route(self) -> tuple[str, ...]:
+        """`route` for a prefill's passes: the fastest path at the smallest timed count >= r,
+        "packed" above the largest."""
         counts = sorted(self.path_by_tokens)
         by_rows = [self.path_by_tokens[min(c for c in counts if c >= r)] for r in range(1, counts[-1] + 1)]
         return (by_rows[0], *by_rows, "packed")
 
     def __str__(self) -> str:
-        route = self.route()
+        route = self.prefill_route()
         runs: list[list] = []  # [first rows, last rows (None: and above), path]
         for rows, path in enumerate(route[1:], start=1):
             if runs and runs[-1][2] == path:
@@ -66,7 +88,10 @@ class LinearChoice:
         runs[-1][1] = None
         ranges = ", ".join(f"{first}{'+' if last is None else '' if last == first else f'-{last}'}: {path}"
                            for first, last, path in runs)
-        return f"matmul path by tokens per pass {ranges} ({'cached' if self.cached else 'measured'})"
+        how = "cached" if self.cached else "measured"
+        if self.steps is not None:
+            return f"matmul path of decode steps and verify passes {self.steps}, of prefills by tokens {ranges} ({how})"
+        return f"matmul path by tokens per pass {ranges} ({how})"
 
 
 def machine_key() -> str:
@@ -124,17 +149,28 @@ def paths_for(linears: list) -> tuple[str, ...]:
 
 
 def choose(model, linears: list, key: str) -> LinearChoice:
-    """The cached choice for `key`, else one measured on `model` (and cached)."""
+    """The cached choice for `key`, else one measured on `model` (and cached); in reduced
+    precision (any dtype but float32), `one_path` of it."""
     paths = paths_for(linears)
     key = f"{key}|paths={','.join(paths)}|tokens={','.join(map(str, TOKEN_COUNTS))}"
     known = read_cached("linear-choice.json", key)
     if known is not None:
-        return LinearChoice({int(t): p for t, p in known["path_by_tokens"].items()},
-                            {p: {int(t): ms for t, ms in v.items()} for p, v in known["times_ms"].items()},
-                            cached=True)
-    choice = measure(model, linears, paths=paths)
-    write_cached("linear-choice.json", key, {"path_by_tokens": choice.path_by_tokens, "times_ms": choice.times_ms})
-    return choice
+        choice = LinearChoice({int(t): p for t, p in known["path_by_tokens"].items()},
+                              {p: {int(t): ms for t, ms in v.items()} for p, v in known["times_ms"].items()},
+                              cached=True)
+    else:
+        choice = measure(model, linears, paths=paths)
+        write_cached("linear-choice.json", key, {"path_by_tokens": choice.path_by_tokens, "times_ms": choice.times_ms})
+    return choice if linears[0].weight_t.dtype == torch.float32 else one_path(choice)
+
+
+def one_path(choice: LinearChoice) -> LinearChoice:
+    """`choice` with every decode step and verify pass on the path of least time summed over
+    the timed counts up to STEP_TOKENS (see the module docstring: what bfloat16 needs)."""
+    def step_ms(path: str) -> float:
+        return sum(ms for tokens, ms in choice.times_ms[path].items() if tokens <= STEP_TOKENS)
+
+    return LinearChoice(choice.path_by_tokens, choice.times_ms, choice.cached, steps=min(choice.times_ms, key=step_ms))
 
 
 @torch.no_grad()

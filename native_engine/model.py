@@ -252,6 +252,7 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: i
         keys, values = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, Dh]
     else:
         keys, values = s.cache.update(layer, s.row_start, s.write_pos, k, v, s.key_len)  # [B, Hkv, S, Dh]
+        keys, values = keys.to(q.dtype), values.to(q.dtype)  # a bfloat16 model's float32 cache
     B, T, H, Dh = q.shape
     return attend(q.transpose(1, 2), keys, values, s.mask).transpose(1, 2).reshape(B, T, H * Dh)
 
@@ -271,8 +272,9 @@ def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: i
     out = q.new_empty(1, N, H, Dh)
     start = 0
     for b, n in enumerate(s.prompt_lengths):
-        keys = s.cache.k[layer, s.row_start + b, None, :, :n]  # what was just written: [1, Hkv, n, Dh]
-        values = s.cache.v[layer, s.row_start + b, None, :, :n]
+        # What was just written: [1, Hkv, n, Dh] (a bfloat16 model's float32 cache narrowed back, exactly).
+        keys = s.cache.k[layer, s.row_start + b, None, :, :n].to(q.dtype)
+        values = s.cache.v[layer, s.row_start + b, None, :, :n].to(q.dtype)
         out[:, start:start + n] = F.scaled_dot_product_attention(
             q[:, start:start + n].transpose(1, 2), keys, values, is_causal=True,
             enable_gqa=H > keys.shape[1]).transpose(1, 2)
@@ -481,7 +483,7 @@ class Transformer(nn.Module):
         one_token_keys = tree_keys = None
         if prompt_lengths is not None:
             mask, packed = None, None
-        elif cache is not None and self.uses_decode_kernel():
+        elif cache is not None and cache.k.dtype == torch.float32 and self.uses_decode_kernel():
             if tokens.shape[1] == 1:
                 one_token_keys = prefix_lengths(mask, key_len, tokens.shape[0])
             if one_token_keys is None and mask is not None and mask.dtype == torch.bool:
@@ -489,7 +491,8 @@ class Transformer(nn.Module):
                 # (docs/native-engine.md, "Tree attention").
                 allowed = mask[:, 0].contiguous()
                 tree_keys = (decode_attention.key_counts(allowed), allowed)
-        if cache is not None and prompt_lengths is None and self.lm_head.weight.dtype != torch.float32:
+        if (cache is not None and prompt_lengths is None and self.lm_head.weight.dtype != torch.float32
+                and one_token_keys is None and tree_keys is None):  # torch's attention in reduced precision
             mask, key_len = whole_key_blocks(mask, key_len, tokens.device)
         if mask is not None and mask.dtype == torch.bool:
             # Additive (0 / -inf), once per pass: the attention kernel would convert a bool mask in every layer.
@@ -506,13 +509,21 @@ class Transformer(nn.Module):
             _forward.inputs = None
 
     def uses_decode_kernel(self) -> bool:
-        """Whether one-token passes over a cache run the decode-attention kernel: float32 on a
-        CPU where it builds, head size a multiple of 16 (decided once)."""
+        """Whether passes over a float32 cache (decode steps, verify passes) run the
+        decode-attention kernels: float32 or bfloat16 on a CPU where they build, head size a
+        multiple of 16 (decided once)."""
         if self.decode_kernel is None:
             w = self.lm_head.weight
             self.decode_kernel = (decode_attention.supports(self.args.head_dim, w.dtype, w.device)
                                   and decode_attention.kernel() is not None)
         return self.decode_kernel
+
+    def cache_dtype(self) -> torch.dtype:
+        """The dtype of this model's KV cache: float32 where the decode-attention kernels run
+        (they read float32; a bfloat16 model's keys and values are stored widened, which is
+        exact, and its decode steps then attend without torch's bfloat16 attention), else the
+        model's own."""
+        return torch.float32 if self.uses_decode_kernel() else self.lm_head.weight.dtype
 
     def decoder(self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packed: Packing | None = None
                 ) -> torch.Tensor:
@@ -638,7 +649,7 @@ class Transformer(nn.Module):
                 self.linear_choice = linear_choice.choose(self, linears, linear_choice.machine_key() + "|" +
                                                           linear_choice.model_key(self.args, self.lm_head.weight.dtype))
                 for m in linears:
-                    m.use(self.linear_choice.route())
+                    m.use(self.linear_choice.route(), self.linear_choice.prefill_route())
                 self.gather_panels()
         self.uses_decode_kernel()  # builds it now rather than at the first decode step
         self.serving = True
@@ -655,14 +666,16 @@ class CpuLinear(nn.Module):
     - "packed": oneDNN's blocked layout, prepacked once (`torch.ops.mkldnn`, as vLLM-cpu and
       torch.compile's CPU backend do) for wider passes (verify passes, batches, prefill);
       without oneDNN (or bfloat16 without oneDNN's bf16) the input-major weight again;
-    - "panels": adaspec's own kernel (`torch.ops.adaspec.panel_matmul`,
-      native_engine/cpu_kernels.py; float32, AVX2, out features a multiple of 16) on a copy in
+    - "panels": adaspec's own kernel (`torch.ops.adaspec.panel_matmul`, `panel_matmul_bf16`,
+      native_engine/cpu_kernels.py; float32 or bfloat16, AVX2, out features a multiple of 16) on a copy in
       panels of 16 output features [out / 16, in, 16]: streams the weight at close to the
       memory's rate for 1-16 rows, where the libraries' kernels reach about 60% of it at one
       row on some CPUs, and outran oneDNN's matmul up to 256 rows on one (docs/native-engine.md,
       "The panel matmul").
-    `route[r]` names the path of a pass of r rows (the last entry: every wider pass); it is
-    measured per machine and model when the model is prepared for serving. Two or three
+    `route[r]` names the path of a pass of r rows (the last entry: every wider pass), and
+    `prefill_route[r]` that of a prefill's (in bfloat16 `route` is one path, prefills keep the
+    fastest per size: linear_choice.one_path); both are measured per machine and model when
+    the model is prepared for serving. Two or three
     copies of the weight: meant for the small models a CPU serves. `weight` is the usual
     [out, in] view, for code that reads a layer's dtype, device or shape."""
 
@@ -678,6 +691,7 @@ class CpuLinear(nn.Module):
                 w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 16)
         self.route: tuple[str, ...] = ("gemv", "gemv", "packed")  # until measured: gemv at one row
+        self.prefill_route = self.route  # a prefill's passes (LinearChoice.prefill_route)
         # What a compiled pass calls (Transformer.compile_decode): "packed", oneDNN's matmul on
         # the prepacked weight, "panels", adaspec's kernel, or "inductor", the weight left for
         # inductor to lay out itself.
@@ -688,21 +702,26 @@ class CpuLinear(nn.Module):
     def weight(self) -> torch.Tensor:
         return self.weight_t.t()
 
-    def use(self, route: tuple[str, ...]) -> None:
-        """Take the paths of `route` (see the class docstring); makes or frees the [out, in] and
-        panel copies."""
+    def use(self, route: tuple[str, ...], prefill_route: tuple[str, ...] | None = None) -> None:
+        """Take the paths of `route` (see the class docstring), and of `prefill_route` for
+        prefills (default: `route`); makes or frees the [out, in] and panel copies."""
         if self.packed is None:
-            route = tuple("gemv" if path == "packed" else path for path in route)
-        if "linear" in route and self.weight_out_in is None:
+            route, prefill_route = (None if r is None else tuple("gemv" if path == "packed" else path for path in r)
+                                    for r in (route, prefill_route))
+        paths = set(route) | set(prefill_route or ())
+        if "linear" in paths and self.weight_out_in is None:
             self.weight_out_in = self.weight_t.t().contiguous()
-        elif "linear" not in route:
+        elif "linear" not in paths:
             self.weight_out_in = None
-        if "panels" in route and self.weight_panels is None:
+        if "panels" in paths and self.weight_panels is None:
             n_in, n_out = self.weight_t.shape  # [in, out] -> [out / 16, in, 16]
-            self.weight_panels = self.weight_t.view(n_in, n_out // 16, 16).transpose(0, 1).contiguous()
-        elif "panels" not in route:
+            if self.weight_t.dtype == torch.bfloat16:  # the layout this CPU's bfloat16 loop reads (panel_matmul.cpp)
+                self.weight_panels = torch.ops.adaspec.panel_pack_bf16(self.weight_t.t())
+            else:
+                self.weight_panels = self.weight_t.view(n_in, n_out // 16, 16).transpose(0, 1).contiguous()
+        elif "panels" not in paths:
             self.weight_panels = None
-        self.route = route
+        self.route, self.prefill_route = route, prefill_route or route
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Compiled (Transformer.compile_decode), the path is fixed per graph: is_compiling()
@@ -723,7 +742,9 @@ class CpuLinear(nn.Module):
                 return self._panels(x, rows)
             return self._gemv(x)  # a frozen constant that inductor prepacks itself
         rows = x.numel() // x.shape[-1]
-        path = self.route[min(rows, len(self.route) - 1)]
+        inputs: ForwardInputs | None = getattr(_forward, "inputs", None)
+        route = self.prefill_route if inputs is not None and inputs.prompt_lengths is not None else self.route
+        path = route[min(rows, len(route) - 1)]
         if path == "packed" and self.packed is not None:
             return self._packed(x, rows)
         if path == "linear" and self.weight_out_in is not None:
@@ -744,27 +765,28 @@ class CpuLinear(nn.Module):
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def _panels(self, x: torch.Tensor, rows: int) -> torch.Tensor:
-        y = torch.ops.adaspec.panel_matmul(x.reshape(rows, x.shape[-1]).contiguous(), self.weight_panels)
+        op = torch.ops.adaspec.panel_matmul_bf16 if x.dtype == torch.bfloat16 else torch.ops.adaspec.panel_matmul
+        y = op(x.reshape(rows, x.shape[-1]).contiguous(), self.weight_panels)
         y = y.view(*x.shape[:-1], y.shape[-1])
         return y if self.bias is None else y + self.bias
 
     def runs_panels(self) -> bool:
-        """Whether adaspec's panel kernel takes this weight: float32, out features a multiple
-        of 16, on a CPU where the kernels built (native_engine/cpu_kernels.py)."""
+        """Whether adaspec's panel kernel takes this weight: float32 or bfloat16, out features a
+        multiple of 16, on a CPU where the kernels built (native_engine/cpu_kernels.py)."""
         w = self.weight_t
-        return w.dtype == torch.float32 and w.shape[1] % 16 == 0 and cpu_kernels.load()
+        return w.dtype in (torch.float32, torch.bfloat16) and w.shape[1] % 16 == 0 and cpu_kernels.load()
 
 
 def compiled_matmul_path(linear: CpuLinear, autotune: bool) -> str:
     """What `linear` calls in a compiled pass of fixed rows: "packed" (oneDNN's matmul on the
     prepacked weight) or "panels" (adaspec's kernel) where the measured route sends one-token
-    passes there, else "inductor" (inductor lays the frozen weight out itself). Only float32
-    changes: for bfloat16 inductor picks oneDNN anyway, and with `autotune` it times its own
-    kernels against the library's."""
+    passes there, else "inductor" (inductor lays the frozen weight out itself). In bfloat16
+    only "panels" changes anything: inductor picks oneDNN's matmul anyway. With `autotune`
+    inductor times its own kernels against the library's."""
     one_token = linear.route[1]
-    usable = ((one_token == "packed" and linear.packed is not None)
+    usable = ((one_token == "packed" and linear.packed is not None and linear.weight_t.dtype == torch.float32)
               or (one_token == "panels" and linear.weight_panels is not None))
-    return one_token if usable and linear.weight_t.dtype == torch.float32 and not autotune else "inductor"
+    return one_token if usable and not autotune else "inductor"
 
 
 def panel_rows(route: tuple[str, ...]) -> int:

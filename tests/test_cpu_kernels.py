@@ -4,8 +4,10 @@ The decode-attention kernel (native_engine/decode_attention.py): every grouped-q
 and head size it takes, rows of uneven length read from strided cache views, a negative check
 that the comparison notices a wrong length, clear errors, one-token passes whose mask is not a
 prefix left to torch, and an engine whose decode steps run it decoding exactly as
-recomputation from scratch. The panel matmul: against F.linear for 1-257 rows (every count of
-rows past the last block of six), the weight's layout read as documented."""
+recomputation from scratch; in bfloat16, the same output as float32 on the widened values,
+rounded. The panel matmul: against F.linear for 1-257 rows (every count of rows past the last
+block of six), the weight's layout read as documented; in bfloat16, against float32 arithmetic
+on the same values, rounded once."""
 
 from __future__ import annotations
 
@@ -163,10 +165,67 @@ def test_lengths_outside_the_cache_are_refused():
         decode_attention.decode_attention(q, keys, values, torch.tensor([0, 8]))
 
 
-def test_supports_float32_cpu_head_sizes_of_sixteen():
+def test_supports_float32_and_bfloat16_cpu_head_sizes_of_sixteen():
     assert decode_attention.supports(64, torch.float32, "cpu")
+    assert decode_attention.supports(64, torch.bfloat16, "cpu")
     assert not decode_attention.supports(8, torch.float32, "cpu")
-    assert not decode_attention.supports(64, torch.bfloat16, "cpu")
+    assert not decode_attention.supports(64, torch.float16, "cpu")
+
+
+@pytest.mark.parametrize("length", range(120, 137))
+def test_a_token_attends_with_the_same_bits_in_a_decode_step_and_in_a_verify_pass(length):
+    """What greedy output under speculation needs from attention: a verify pass's root reads
+    one key more than a decode step (a pad's or a sibling's, masked for it), and a tree node
+    reads its ancestors with a sibling's key between them, where the decode step after the
+    accepted path was compacted reads them side by side. Both give the decode step's bits. (The
+    softmax sum in eight lanes plus a tail added one by one gave other bits at lengths 8m + 6.)"""
+    B, H, Hkv, Dh, S, L = 1, 9, 3, 64, 160, length
+    gen = torch.Generator().manual_seed(length)
+    cache = KVCache.allocate(1, B, Hkv, S, Dh)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=gen))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=gen))
+    q, k, v = (torch.randn(B, 3, heads, Dh, generator=gen) for heads in (H, Hkv, Hkv))
+    # root at L; node a (the root's child) at L + 1; node b (the root's other child) at L + 2
+    allowed = torch.zeros(B, 3, L + 3, dtype=torch.bool)
+    allowed[0, 0, :L + 1] = allowed[0, 1, :L + 2] = allowed[0, 2, :L + 1] = allowed[0, 2, L + 2] = True
+    tree_cache = KVCache(cache.k.clone(), cache.v.clone())
+    tree = decode_attention.write_and_attend(q, k, v, tree_cache, 0, 0, torch.arange(L, L + 3)[None],
+                                             decode_attention.key_counts(allowed), allowed)
+
+    def decode(t: int, at: int) -> torch.Tensor:  # token t of the pass, alone at position `at`
+        return decode_attention.write_and_attend(q[:, t:t + 1].contiguous(), k[:, t:t + 1].contiguous(),
+                                                 v[:, t:t + 1].contiguous(), cache, 0, 0, torch.tensor([[at]]),
+                                                 torch.tensor([at + 1]))[0, 0]
+
+    assert torch.equal(tree[0, 0], decode(0, L))
+    assert torch.equal(tree[0, 2], decode(2, L + 1))  # b accepted: compacted next to the root
+    assert not torch.equal(tree[0, 1], tree[0, 2])
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_write_and_attend_in_bfloat16_widens_then_rounds_the_output(T):
+    """A bfloat16 pass over the float32 cache: the cache gets the widened keys and values
+    (exactly), and the output is the float32 pass's on the same values, rounded to bfloat16."""
+    B, H, Hkv, Dh, S = 2, 9, 3, 64, 32
+    gen = torch.Generator().manual_seed(T)
+    qkv = torch.randn(B, T, (H + 2 * Hkv) * Dh, generator=gen).to(torch.bfloat16)
+    q, k, v = (x.view(B, T, -1, Dh) for x in qkv.split([H * Dh, Hkv * Dh, Hkv * Dh], dim=-1))
+    write = torch.tensor([[4], [9]]) + torch.arange(T)[None, :]
+    allowed = None
+    counts = write[:, -1] + 1
+    if T > 1:  # a chain per row
+        allowed = (torch.arange(S)[None, None, :] <= write[:, :, None]).contiguous()
+        counts = decode_attention.key_counts(allowed)
+    caches = [KVCache.allocate(1, B, Hkv, S, Dh) for _ in range(2)]
+    for cache in caches:
+        cache.k.copy_(torch.randn(cache.k.shape, generator=torch.Generator().manual_seed(0)))
+        cache.v.copy_(torch.randn(cache.v.shape, generator=torch.Generator().manual_seed(1)))
+    got = decode_attention.write_and_attend(q, k, v, caches[0], 0, 0, write, counts, allowed)
+    want = decode_attention.write_and_attend(q.float(), k.float(), v.float(), caches[1], 0, 0, write, counts, allowed)
+    assert got.dtype == torch.bfloat16 and caches[0].k.dtype == torch.float32
+    torch.testing.assert_close(caches[0].k, caches[1].k, rtol=0, atol=0)
+    torch.testing.assert_close(caches[0].v, caches[1].v, rtol=0, atol=0)
+    assert torch.equal(got, want.to(torch.bfloat16))
 
 
 def test_prefix_lengths_take_only_masks_that_are_a_prefix_per_row():
@@ -264,8 +323,33 @@ def test_the_panel_matmul_matches_f_linear(rows, out_features, in_features):
     assert not torch.allclose(torch.ops.adaspec.panel_matmul(x, _panels(w))[-1], got[-1])
 
 
+def _panels_bf16(w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.adaspec.panel_pack_bf16(w)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 6, 7, 16, 64])
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (16, 7)])
+def test_the_bfloat16_panel_matmul_is_float32_arithmetic_rounded_once(rows, out_features, in_features):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+    w = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
+    got = torch.ops.adaspec.panel_matmul_bf16(x, _panels_bf16(w))
+    exact = F.linear(x.float(), w.float())
+    assert got.dtype == torch.bfloat16
+    # float32 sums in another order, then one rounding: at most one bfloat16 step apart, mostly none
+    torch.testing.assert_close(got.float(), exact, rtol=2 ** -7, atol=1e-5)
+    assert (got == exact.to(torch.bfloat16)).float().mean() > 0.95
+    w[-1, -1] += 1.0  # the last output's last weight is read, from where the layout puts it
+    assert not torch.equal(torch.ops.adaspec.panel_matmul_bf16(x, _panels_bf16(w))[:, -1], got[:, -1])
+    w[7, 0] += 1.0  # and output 7 (the high half of a lane in the interleaved layout)
+    changed = torch.ops.adaspec.panel_matmul_bf16(x, _panels_bf16(w)) != got
+    assert changed[:, 7].any() and not changed[:, :7].any() and not changed[:, 8:-1].any()
+
+
 def test_the_panel_matmul_refuses_what_it_cannot_run():
     with pytest.raises(RuntimeError, match=r"w \[N / 16, K, 16\]"):
         torch.ops.adaspec.panel_matmul(torch.randn(1, 12), torch.randn(4, 12))
     with pytest.raises(RuntimeError, match="float32 only"):
         torch.ops.adaspec.panel_matmul(torch.randn(1, 8).bfloat16(), torch.randn(1, 8, 16).bfloat16())
+    with pytest.raises(RuntimeError, match="bfloat16 only"):
+        torch.ops.adaspec.panel_matmul_bf16(torch.randn(1, 8), torch.randn(1, 8, 16))

@@ -9,7 +9,8 @@ import torch
 
 from native_engine import cpu_kernels, dtype_choice, linear_choice
 from native_engine.linear_choice import PATHS, TOKEN_COUNTS, LinearChoice
-from native_engine.model import CpuLinear, build_model
+from native_engine.kv_cache import KVCache
+from native_engine.model import CpuLinear, build_model, causal_mask
 from native_engine.testing import tiny_args
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
@@ -83,6 +84,39 @@ def test_a_path_that_wins_only_at_some_token_counts_gets_only_those():
     assert linear.weight_out_in is None
 
 
+def test_bfloat16_decode_steps_and_verify_passes_take_one_path():
+    """In bfloat16 a path that wins only at some token counts does not get them: every pass
+    but a prefill takes the path of least time summed over the counts up to STEP_TOKENS (a
+    token's logits must not depend on the pass that computes it; see linear_choice's
+    docstring); prefills keep the fastest per count, and a prefill's linears take it."""
+    wide = 2 * linear_choice.STEP_TOKENS
+    choice = LinearChoice({1: "panels", 2: "panels", 4: "packed", wide: "packed"},
+                          {"panels": {1: 1.0, 2: 1.0, 4: 9.0, wide: 99.0}, "packed": {1: 2.0, 2: 2.0, 4: 3.0, wide: 3.0}})
+    steps = linear_choice.one_path(choice)
+    assert choice.route()[1] == "panels" and set(steps.route()) == {"packed"}
+    assert steps.prefill_route() == choice.route() and steps.route() != choice.route()
+    assert str(steps).startswith("matmul path of decode steps and verify passes packed, of prefills by tokens 1-2: panels")
+    # the wide count does not vote: panels is faster up to STEP_TOKENS
+    choice.times_ms["panels"][4] = 2.0
+    assert set(linear_choice.one_path(choice).route()) == {"panels"}
+
+    model = build_model(tiny_args(), dtype=torch.bfloat16, seed=1).prepare_for_serving()
+    assert {len(set(m.route)) for m in _linears(model)} == {1}
+    linear = _linears(model)[0]
+    linear.use(("gemv",) * 4, ("linear",) * 4)
+    calls = []
+    for path in ("gemv", "linear"):
+        method = getattr(linear, f"_{path}")
+        setattr(linear, f"_{path}", lambda *a, path=path, method=method: calls.append(path) or method(*a))
+    tokens = torch.tensor([[5, 1, 4]])
+    with torch.no_grad():
+        model(tokens, torch.arange(3)[None], causal_mask(torch.tensor([3]), 3))
+        cache = KVCache.allocate(model.args.n_layers, 1, model.args.n_kv_heads, 16, model.args.head_dim,
+                                 model.cache_dtype())
+        model(tokens, torch.arange(3)[None], None, cache, prompt_lengths=(3,))
+    assert calls == ["gemv", "linear"]  # a pass, then a prefill
+
+
 def test_preparing_a_model_applies_the_choice_and_a_restart_reads_it_from_the_cache(monkeypatch):
     model = build_model(tiny_args(), seed=1).prepare_for_serving()
     first = model.linear_choice
@@ -105,7 +139,6 @@ def test_every_path_gives_the_same_logits():
     model = build_model(tiny_args(), seed=3, init_std=0.1).prepare_for_serving()
     tokens = torch.tensor([[5, 1, 4]])
     pos = torch.arange(3)[None]
-    from native_engine.model import causal_mask
 
     out = {}
     with torch.no_grad():

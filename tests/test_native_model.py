@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from native_engine import cpu_kernels
 from native_engine.dtype_choice import cpu_has_bf16
 from native_engine.kv_cache import KVCache
 from native_engine.model import (ModelArgs, ModelLoadError, Transformer, attend, build_model, causal_mask,
@@ -116,14 +117,17 @@ def test_prepare_for_serving_keeps_the_logits(arch, tie):
         assert torch.allclose(after, before, atol=1e-5), (after - before).abs().max()
 
 
-@pytest.mark.parametrize("path", ["gemv", "linear", "packed"])
+@pytest.mark.parametrize("path", ["gemv", "linear", "packed", "panels"])
 def test_bfloat16_cpu_linear_matches_nn_linear_on_every_path(path):
-    """bf16 weights get oneDNN's prepacked layout too where the CPU supports bf16 (fp32
-    accumulation): every path agrees with nn.Linear within bf16 rounding of the output."""
+    """bf16 weights get oneDNN's prepacked layout too where the CPU supports bf16, and
+    adaspec's panel kernel where it builds (fp32 accumulation): every path agrees with
+    nn.Linear within bf16 rounding of the output."""
     from native_engine.model import CpuLinear
 
     if path == "packed" and not cpu_has_bf16():
         pytest.skip("this CPU has no oneDNN bf16")
+    if path == "panels" and not cpu_kernels.load():
+        pytest.skip("adaspec's CPU kernels need an x86 CPU with AVX2 and a C++ compiler")
     linear = torch.nn.Linear(96, 160, bias=False).to(torch.bfloat16)
     fast = CpuLinear(linear)
     assert path != "packed" or fast.packed is not None

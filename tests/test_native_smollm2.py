@@ -11,9 +11,10 @@ import torch
 from adaspec.datasets import load_prompts
 from adaspec.models import ModelError, resolve_model
 from adaspec.policy import SpecPolicy
-from native_engine import dtype_choice
+from native_engine import cpu_kernels, dtype_choice
 from native_engine.drafters import NgramDrafter
 from native_engine.engine import EngineConfig, NativeEngine
+from native_engine.model import CpuLinear
 from native_engine.requests import SamplingParams
 from native_engine.testing import reference_greedy
 
@@ -76,16 +77,18 @@ def smol_bf16(smol):
     return NativeEngine.from_pretrained(MODEL, dtype=torch.bfloat16, config=EngineConfig(max_batch_size=2, max_seq_len=512))
 
 
-# Without oneDNN bfloat16 (an AVX2-only CPU) the attention kernel's bf16 result depends on the
-# query rows in the pass, so speculation can flip a near-tie; such a CPU serves float32
-# (docs/native-engine.md, "Greedy output under speculation equals off's in bf16 too").
+# Without oneDNN bfloat16 (an AVX2-only CPU) bf16 is slow and `dtype: auto` serves float32; there
+# torch's bf16 attention flipped a near-tie under speculation before adaspec's kernels took bf16
+# passes, and this has not been run on such a CPU since (docs/native-engine.md, "Greedy output
+# under speculation equals off's in bf16 too").
 @pytest.mark.skipif(not dtype_choice.cpu_has_bf16(), reason="this CPU has no oneDNN bfloat16 (see the comment)")
 @pytest.mark.parametrize("batch", [1, 2])
 def test_bfloat16_greedy_under_speculation_equals_off(smol_bf16, batch):
-    """bf16 rounds every layer's output, so a query whose attention sums its keys in another
-    order than in a one-token pass can flip a near-tie of the logits; every pass reads its
-    keys in whole blocks so it does not (model.whole_key_blocks). HumanEval prompts (125-160
-    tokens) that copy their own code: drafts are accepted deep into their trees."""
+    """bf16 rounds every layer's output, so a token whose logits are summed in another order
+    in a verify pass than in a one-token pass can flip a near-tie of the logits. Every pass
+    takes one matmul path (linear_choice.one_path) and attends with adaspec's kernels, whose
+    sums per row do not depend on the pass. HumanEval prompts (125-160 tokens) that copy
+    their own code: drafts are accepted deep into their trees."""
     prompts = [p.text for p in load_prompts("humaneval", None, seed=None)[:3]]
 
     def run(policy: str) -> tuple[list[list[int]], int]:
@@ -94,6 +97,10 @@ def test_bfloat16_greedy_under_speculation_equals_off(smol_bf16, batch):
         outputs = engine.generate(prompts, SamplingParams(max_tokens=48, ignore_eos=True))
         return outputs, sum(sum(s.accepted_per_pos) for s in engine.drain().steps)
 
+    if cpu_kernels.load():  # decode steps and verify passes attend with adaspec's kernels, over a float32 cache
+        assert smol_bf16.cache.k.dtype == torch.float32
+    # one matmul path for every pass (native_engine/linear_choice.py, one_path)
+    assert len({path for m in smol_bf16.model.modules() if isinstance(m, CpuLinear) for path in m.route}) == 1
     off, _ = run("off")
     for policy in ("chain4", "tree4x2x2x1"):
         outputs, accepted = run(policy)

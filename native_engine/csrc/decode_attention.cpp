@@ -96,31 +96,49 @@ void weighted_values(const float* weights, int64_t stride, const float* sums, co
   }
 }
 
-// Turns each row of scores into exp(score - max) in place; returns the row sums in sums.
-void exponentiate(float* scores, int64_t stride, int64_t rows, int64_t n, float* sums) {
+// exp(x) for x <= 0, exactly 0 where x is -inf (a masked score).
+inline __m256 exp_or_zero(__m256 x) {
+  const __m256 masked = _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ);
+  return _mm256_andnot_ps(masked, exp_nonpositive(x));
+}
+
+// Turns each row of scores into exp(score - max) in place, every key by the same vector code
+// (the last few through a padded block), so a key's weight does not depend on how many keys
+// the pass reads.
+void exponentiate(float* scores, int64_t stride, int64_t rows, int64_t n) {
   for (int64_t j = 0; j < rows; ++j) {
     float* row = scores + j * stride;
-    const float top = *std::max_element(row, row + n);
-    const __m256 top8 = _mm256_set1_ps(top);
-    __m256 total8 = _mm256_setzero_ps();
+    const __m256 top = _mm256_set1_ps(*std::max_element(row, row + n));
     int64_t s = 0;
-    for (; s + 8 <= n; s += 8) {
-      const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(row + s), top8));
-      _mm256_storeu_ps(row + s, e);
-      total8 = _mm256_add_ps(total8, e);
+    for (; s + 8 <= n; s += 8) _mm256_storeu_ps(row + s, exp_or_zero(_mm256_sub_ps(_mm256_loadu_ps(row + s), top)));
+    if (s < n) {
+      alignas(32) float tail[8];
+      std::fill(tail, tail + 8, -INFINITY);
+      std::copy(row + s, row + n, tail);
+      _mm256_store_ps(tail, exp_or_zero(_mm256_sub_ps(_mm256_load_ps(tail), top)));
+      std::copy(tail, tail + (n - s), row + s);
     }
-    float total = horizontal_sum(total8);
-    for (; s < n; ++s) {
-      row[s] = std::exp(row[s] - top);
-      total += row[s];
-    }
-    sums[j] = total;
   }
+}
+
+// Each of the GB rows' sum of its n weights, added key by key in order. Masked keys weigh
+// exactly 0 and add nothing, so a token's sum is the same in a decode step (its keys 0..n-1)
+// and in a verify pass (more keys read, the others masked; or a tree's ancestors lying apart,
+// which a decode step after the accepted path was compacted reads side by side): greedy
+// output under speculation then equals `off`'s bit for bit. Summed in eight lanes by key
+// position instead, with the last n % 8 keys added one by one, a decode step at n = 8m + 7
+// keys and a verify pass reading one masked key more gave other bits (2026-12-05).
+template <int GB>
+void row_sums(const float* weights, int64_t stride, int64_t n, float* sums) {
+  float total[GB] = {};
+  for (int64_t s = 0; s < n; ++s)
+    for (int j = 0; j < GB; ++j) total[j] += weights[j * stride + s];
+  std::copy(total, total + GB, sums);
 }
 
 // The GB query heads q (rows of D) over keys 0..n-1; with `allowed` (nullptr: every key), a
 // tree verify pass's mask row: only where allowed[s] (the row's prefix, then its ancestors
-// among the tree's keys), masked scores taking no part in the maximum and weighted exactly 0;
+// among the tree's keys), masked scores (-inf) taking no part in the maximum and weighted exactly 0;
 // a query with no allowed key gets zeros.
 template <int GB>
 void attend_group(const float* q, const float* k, const float* v, int64_t n, int64_t D, float scale,
@@ -136,15 +154,8 @@ void attend_group(const float* q, const float* k, const float* v, int64_t n, int
       for (int64_t s = 0; s < n; ++s)
         if (!allowed[s]) scores[j * stride + s] = -INFINITY;
   }
-  exponentiate(scores, stride, GB, n, sums);
-  if (allowed) {
-    for (int j = 0; j < GB; ++j)
-      for (int64_t s = 0; s < n; ++s)
-        if (!allowed[s]) {
-          sums[j] -= scores[j * stride + s];
-          scores[j * stride + s] = 0.0f;
-        }
-  }
+  exponentiate(scores, stride, GB, n);
+  row_sums<GB>(scores, stride, n, sums);
   weighted_values<GB>(scores, stride, sums, v, n, D, out);
 }
 
@@ -270,11 +281,16 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
 // q [B, T, H, D] and k, v [B, T, Hkv, D] float32 (views of the pass's qkv projection, read in
 // place where each head's D floats are contiguous); k_cache, v_cache [layers, rows, Hkv, max_len, D] contiguous: entry
 // (b, t) goes to row row_start + b, position write_pos[b, t] (int64 [B, T]). Output [B, T, H * D].
-torch::Tensor write_and_attend(const torch::Tensor& q_in, const torch::Tensor& k_in, const torch::Tensor& v_in,
+torch::Tensor write_and_attend(const torch::Tensor& q_pass, const torch::Tensor& k_pass, const torch::Tensor& v_pass,
                                const torch::Tensor& k_cache, const torch::Tensor& v_cache, int64_t layer,
                                int64_t row_start, const torch::Tensor& write_pos, const torch::Tensor& counts,
                                const std::optional<torch::Tensor>& allowed, double scale) {
-  TORCH_CHECK(q_in.dim() == 4 && q_in.scalar_type() == at::kFloat, "q: [B, T, H, D] float32");
+  // A bfloat16 model's pass runs over a float32 cache (KVCache.allocate): its q, k and v are
+  // widened (exactly: a bfloat16 is a float32's top half) and the output rounded back.
+  const bool bf16 = q_pass.scalar_type() == at::kBFloat16;
+  const auto widened = [&](const torch::Tensor& t) { return bf16 ? t.to(at::kFloat) : t; };
+  const auto q_in = widened(q_pass), k_in = widened(k_pass), v_in = widened(v_pass);
+  TORCH_CHECK(q_in.dim() == 4 && q_in.scalar_type() == at::kFloat, "q: [B, T, H, D] float32 or bfloat16");
   const int64_t B = q_in.size(0), T = q_in.size(1), H = q_in.size(2), D = q_in.size(3);
   // Other layouts (a compiled graph may hand over any) are copied into this one.
   const auto q = q_in.stride(3) == 1 && q_in.stride(2) == D ? q_in : q_in.contiguous();
@@ -282,7 +298,7 @@ torch::Tensor write_and_attend(const torch::Tensor& q_in, const torch::Tensor& k
   const auto v = v_in.dim() == 4 && v_in.stride(3) == 1 ? v_in : v_in.contiguous();
   TORCH_CHECK(D % 16 == 0, "head dim must be a multiple of 16, got ", D);
   TORCH_CHECK(k.dim() == 4 && k.size(0) == B && k.size(1) == T && k.size(3) == D && v.sizes() == k.sizes() &&
-              k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat, "k, v: [B, T, Hkv, D] float32");
+              k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat, "k, v: [B, T, Hkv, D] in q's dtype");
   const int64_t Hkv = k.size(2);
   TORCH_CHECK(Hkv > 0 && H % Hkv == 0, H, " query heads cannot share ", Hkv, " KV heads");
   TORCH_CHECK(k_cache.dim() == 5 && k_cache.is_contiguous() && v_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
@@ -319,7 +335,7 @@ torch::Tensor write_and_attend(const torch::Tensor& q_in, const torch::Tensor& k
   run({q.data_ptr<float>(), kc, vc, out.data_ptr<float>(), q.stride(0), q.stride(1), G * D, T * H * D, H * D, G * D,
        Hkv * S * D, S * D, Hkv * S * D, S * D, B, T, Hkv, G, D, counts_c.data_ptr<int64_t>(), mask, width,
        static_cast<float>(scale)});
-  return out;
+  return bf16 ? out.to(at::kBFloat16) : out;
 }
 
 // Operators (torch.ops.adaspec.*), so profilers and the dispatcher see them.
