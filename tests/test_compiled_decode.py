@@ -209,7 +209,7 @@ def test_a_graph_compiled_on_the_panels_route_calls_adaspecs_kernel_and_decodes_
     assert out == reference_greedy(build_model(tiny_args(vocab_size=64), seed=5, init_std=0.15), prompt, 16)
 
 
-def test_compiled_matmul_path_follows_the_one_token_route_in_float32_only():
+def test_compiled_matmul_path_follows_the_one_token_route_packed_in_float32_only():
     linear = CpuLinear(torch.nn.Linear(16, 16, bias=False))
     if linear.packed is None:
         pytest.skip("no oneDNN in this torch build")
@@ -221,3 +221,9 @@ def test_compiled_matmul_path_follows_the_one_token_route_in_float32_only():
     linear.use(("panels", "panels", "packed"))
     assert compiled_matmul_path(linear, autotune=False) == "panels"
     assert compiled_matmul_path(linear, autotune=True) == "inductor"
+    bf16 = CpuLinear(torch.nn.Linear(16, 16, bias=False).to(torch.bfloat16))
+    bf16.use(("packed", "packed"))
+    assert compiled_matmul_path(bf16, autotune=False) == "inductor"  # inductor picks oneDNN in bf16 itself
+    if cpu_kernels.load():
+        bf16.use(("panels", "panels"))
+        assert compiled_matmul_path(bf16, autotune=False) == "panels"

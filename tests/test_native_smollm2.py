@@ -108,3 +108,25 @@ def test_bfloat16_greedy_under_speculation_equals_off(smol_bf16, batch):
         for i, (out, ref) in enumerate(zip(outputs, off)):
             first = next((j for j, (a, b) in enumerate(zip(out, ref)) if a != b), None)
             assert out == ref, f"{policy}: prompt {i} differs from off at token {first}"
+
+
+@pytest.mark.skipif(not dtype_choice.cpu_has_bf16() or not cpu_kernels.load(),
+                    reason="this CPU has no oneDNN bfloat16 or adaspec's kernels did not build")
+def test_compiled_bfloat16_greedy_under_speculation_equals_compiled_off():
+    """Compiled, the one-token graph and the batch-1 verify graph must give a token the same
+    bits too: inductor rounds where eager rounds in reduced precision (Transformer.compile_decode;
+    without it chain4 left `off`'s tokens at token 29 of the third prompt)."""
+    engine = NativeEngine.from_pretrained(MODEL, dtype=torch.bfloat16,
+                                          config=EngineConfig(max_batch_size=1, max_seq_len=512))
+    engine.compile_decode()
+    prompts = [p.text for p in load_prompts("humaneval", None, seed=None)[:3]]
+
+    def run(policy: str) -> list[list[int]]:
+        runner = NativeEngine(engine.model, NgramDrafter(), EngineConfig(max_batch_size=1, max_seq_len=512),
+                              SpecPolicy.parse(policy), engine.tokenizer, tuple(engine.eos_ids))
+        return runner.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
+
+    off = run("off")
+    for i, (out, ref) in enumerate(zip(run("chain4"), off)):
+        first = next((j for j, (a, b) in enumerate(zip(out, ref)) if a != b), None)
+        assert out == ref, f"chain4: prompt {i} differs from off at token {first}"
