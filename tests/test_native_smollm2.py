@@ -99,7 +99,7 @@ def test_bfloat16_greedy_under_speculation_equals_off(smol_bf16, batch):
 
     if cpu_kernels.load():  # decode steps and verify passes attend with adaspec's kernels, over a float32 cache
         assert smol_bf16.cache.k.dtype == torch.float32
-    # one matmul path for every pass (native_engine/linear_choice.py, one_path)
+    # one matmul path for every decode step and verify pass (native_engine/linear_choice.py, one_path)
     assert len({path for m in smol_bf16.model.modules() if isinstance(m, CpuLinear) for path in m.route}) == 1
     off, _ = run("off")
     for policy in ("chain4", "tree4x2x2x1"):
