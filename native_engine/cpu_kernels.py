@@ -5,8 +5,9 @@
 - `torch.ops.adaspec.panel_matmul`: the float32 matmul of a pass of up to a few hundred
   tokens (a decode step of 1-16 sequences, a verify pass, a short prompt), streaming the
   weight held in panels of 16 output features (`CpuLinear`'s "panels" path,
-  native_engine/model.py); `panel_matmul_bf16` the same for bfloat16 weights (float32
-  arithmetic, widened with AVX2 shifts: no BF16 instructions needed).
+  native_engine/model.py); `panel_matmul_bf16` the same for bfloat16 weights (float32 sums:
+  AMX tiles, AVX512-BF16 dot products or AVX2 widening, whichever the CPU has, each function
+  built for its own instruction set and chosen at run time).
 
 C++ with AVX2/FMA intrinsics, compiled once per machine with torch's extension builder (about
 35 s on 2 cores; cached under $TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions, and

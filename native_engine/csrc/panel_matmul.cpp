@@ -1,7 +1,8 @@
 // y = x W^T for a few rows x [M, K] and a weight W [N, K] held in panels of 16 output features,
 // [N / 16, K, 16] (panel p, row k = W[16p .. 16p + 15, k]), for x86 CPUs with AVX2 and FMA:
 // torch.ops.adaspec.panel_matmul (float32) and panel_matmul_bf16 (bfloat16 weights, x and y;
-// float32 arithmetic), built at run time by native_engine/cpu_kernels.py.
+// float32 sums; on AMX, AVX512-BF16 or AVX2, whichever the CPU has, below), built at run time
+// by native_engine/cpu_kernels.py.
 //
 // Why: a decode step of 1-16 sequences must stream every weight from memory once, with little
 // arithmetic per byte. On 2 AMD EPYC (Zen 2) cores oneDNN's prepacked matmul streamed
@@ -28,6 +29,10 @@
 
 #include <algorithm>
 #include <cstring>
+
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 namespace {
 
@@ -215,6 +220,61 @@ ADASPEC_BF16_DOT void panel_pairs(const at::BFloat16* x, const at::BFloat16* pan
   }
 }
 
+// AMX (Intel's tile unit, where the CPU and the kernel allow it): the same pairs layout is
+// what a TDPBF16PS B tile reads, 16 k-pairs of a panel (1 KB contiguous) at a time, against up
+// to 16 rows of x in an A tile, into 16 x 16 float32 sums in a C tile. One instruction does a
+// block of rows' products for 32 k, so 16 rows cost hardly more than one (the dot-product loop
+// above is bound by its instructions from about 8 rows, where oneDNN's AMX kernels were 3x
+// faster). Weights whose K is not a multiple of 32 keep the dot-product loop (per weight, so
+// every pass of that weight takes the same one).
+#define ADASPEC_AMX __attribute__((target("amx-tile,amx-bf16,avx512f")))
+constexpr int64_t AMX_K = 32;  // bf16 per A-tile row: 16 k-pairs
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool has_amx() {
+  static const bool yes = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
+    // Linux hands out the tile state only on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  }();
+  return yes;
+}
+
+bool amx_layout(int64_t K) { return pairs_layout(K) && K % AMX_K == 0 && has_amx(); }
+
+// Rows x [M, K] (M <= 16) times panels p0..p1 of w into y. Tiles: 0 = A (x), 1 = B (panel), 2 = C.
+ADASPEC_AMX void panels_amx(const at::BFloat16* x, const at::BFloat16* w, at::BFloat16* y, int64_t M, int64_t K,
+                            int64_t N, int64_t p0, int64_t p1) {
+  TileConfig cfg;
+  cfg.rows[0] = static_cast<uint8_t>(M);
+  cfg.colsb[0] = AMX_K * 2;
+  cfg.rows[1] = AMX_K / 2;
+  cfg.colsb[1] = PANEL * 4;
+  cfg.rows[2] = static_cast<uint8_t>(M);
+  cfg.colsb[2] = PANEL * 4;
+  _tile_loadconfig(&cfg);
+  alignas(64) float out[16 * PANEL];
+  for (int64_t p = p0; p < p1; ++p) {
+    const at::BFloat16* panel = w + p * K * PANEL;
+    _tile_zero(2);
+    for (int64_t k = 0; k < K; k += AMX_K) {
+      _tile_loadd(0, x + k, K * 2);
+      _tile_loadd(1, panel + k * PANEL, PANEL * 4);
+      _tile_dpbf16ps(2, 0, 1);
+    }
+    _tile_stored(2, out, PANEL * 4);
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t i = 0; i < PANEL; ++i) y[r * N + p * PANEL + i] = at::BFloat16(out[r * PANEL + i]);
+  }
+  _tile_release();
+}
+
 void check_shapes(const torch::Tensor& x, const torch::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.size(2) == PANEL && x.size(1) == w.size(1),
               "x [M, K], w [N / 16, K, 16]");
@@ -239,6 +299,14 @@ torch::Tensor panel_matmul_bf16(const torch::Tensor& x, const torch::Tensor& w) 
   auto y = torch::empty({M, panels * PANEL}, x.options());
   const at::BFloat16* wp = w.data_ptr<at::BFloat16>();
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  if (amx_layout(K)) {
+    const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+    at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t m = 0; m < M; m += 16)
+        panels_amx(xp + m * K, wp, yp + m * panels * PANEL, std::min<int64_t>(16, M - m), K, panels * PANEL, begin, end);
+    });
+    return y;
+  }
   if (pairs_layout(K)) {
     const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
@@ -254,7 +322,7 @@ torch::Tensor panel_matmul_bf16(const torch::Tensor& x, const torch::Tensor& w) 
 }
 
 // A bfloat16 weight [N, K] (N a multiple of 16) in the panels panel_matmul_bf16 reads on this
-// CPU: pairs [N / 16, K / 2, 16, 2] for the AVX512-BF16 loop, else each panel row's 16
+// CPU: pairs [N / 16, K / 2, 16, 2] for the AMX and AVX512-BF16 loops, else each panel row's 16
 // interleaved (features 0, 8, 1, 9, ...) for the AVX2 one; shaped [N / 16, K, 16] either way.
 torch::Tensor panel_pack_bf16(const torch::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.size(0) % PANEL == 0 && w.scalar_type() == at::kBFloat16,
