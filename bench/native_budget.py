@@ -29,7 +29,7 @@ per sequence, each group's share of the steps and of the time, and its tokens/s.
 Goal (issue 16): auto >= 1.2x the best per-batch policy's tokens/s at batch 4 and 16 at equal
 or better TPOT, and never below it at batch 1.
 
-    .venv/bin/python -m bench.native_budget [--rounds 4] [--batches 1,4,16] [--max-tokens 96]
+    .venv/bin/python -m bench.native_budget [--rounds 4] [--batches 1,4,16] [--max-tokens 96] [--dtype bfloat16]
         [--policies off,chain2,chain4,tree2x2x1x1,tree4x2x2x1,auto] [--out bench/results/budget-cpu]
 """
 
@@ -178,6 +178,8 @@ def main() -> None:
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the engine's weights (bfloat16: what `dtype: auto` picks on a CPU where it is faster)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench/results/budget-cpu")
     args = parser.parse_args()
@@ -190,7 +192,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     host = machine.describe()
     folder = Path(resolve_model(MODEL, prepare=False))
-    base = NativeEngine.from_pretrained(MODEL, config=EngineConfig(max_batch_size=1, max_seq_len=MAX_SEQ_LEN))
+    base = NativeEngine.from_pretrained(MODEL, dtype=getattr(torch, args.dtype),
+                                        config=EngineConfig(max_batch_size=1, max_seq_len=MAX_SEQ_LEN))
     sets = {b: request_set(REQUESTS[b], args.seed, args.max_tokens, folder) for b in batches}
     run(base, "off", sets[batches[0]][:1], 1)  # warm-up: allocator, thread pool, weights
     warm = {}
@@ -215,7 +218,7 @@ def main() -> None:
                       f"accepted length {r['mean_accepted_length']:.2f}", flush=True)
     host.update(machine.at_end(host))
     summary = summarize(runs, batches, policies, args.rounds)
-    report = {"model": MODEL, "dtype": "float32", "threads": args.threads, "drafter": "ngram (prompt lookup)",
+    report = {"model": MODEL, "dtype": args.dtype, "threads": args.threads, "drafter": "ngram (prompt lookup)",
               "command": " ".join(sys.argv[1:]), "machine": host, "requests": {b: REQUESTS[b] for b in batches},
               "max_tokens": args.max_tokens, "rounds": args.rounds, "summary": summary,
               "runs": [{k: v for k, v in r.items() if k != "greedy_outputs"} for r in runs], "time": time.time()}
