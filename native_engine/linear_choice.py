@@ -56,7 +56,8 @@ STEP_TOKENS = 16  # bfloat16: the counts up to this one choose the path of decod
 
 @dataclass
 class LinearChoice:
-    """The fastest path at each timed token count; more rows than the largest take `wider`."""
+    """The fastest path at each timed token count; more rows than the largest take "packed".
+    With `steps` (bfloat16), every pass but a prefill takes that one path instead."""
 
     path_by_tokens: dict[int, str]  # timed token count -> the path a pass of up to that many rows takes
     times_ms: dict[str, dict[int, float]] = field(default_factory=dict)  # path -> tokens -> ms per forward

@@ -711,23 +711,26 @@ class CpuLinear(nn.Module):
     def use(self, route: tuple[str, ...], prefill_route: tuple[str, ...] | None = None) -> None:
         """Take the paths of `route` (see the class docstring), and of `prefill_route` for
         prefills (default: `route`); makes or frees the [out, in] and panel copies."""
-        if self.packed is None:
-            route, prefill_route = (None if r is None else tuple("gemv" if path == "packed" else path for path in r)
-                                    for r in (route, prefill_route))
-        paths = set(route) | set(prefill_route or ())
+        def runnable(r: tuple[str, ...]) -> tuple[str, ...]:
+            return r if self.packed is not None else tuple("gemv" if path == "packed" else path for path in r)
+
+        route = runnable(route)
+        # One object where the two agree (float32), so forward skips the prefill check.
+        prefill_route = route if prefill_route is None or runnable(prefill_route) == route else runnable(prefill_route)
+        paths = set(route) | set(prefill_route)
         if "linear" in paths and self.weight_out_in is None:
             self.weight_out_in = self.weight_t.t().contiguous()
         elif "linear" not in paths:
             self.weight_out_in = None
         if "panels" in paths and self.weight_panels is None:
-            n_in, n_out = self.weight_t.shape  # [in, out] -> [out / 16, in, 16]
             if self.weight_t.dtype == torch.bfloat16:  # the layout this CPU's bfloat16 loop reads (panel_matmul.cpp)
                 self.weight_panels = torch.ops.adaspec.panel_pack_bf16(self.weight_t.t())
             else:
+                n_in, n_out = self.weight_t.shape  # [in, out] -> [out / 16, in, 16]
                 self.weight_panels = self.weight_t.view(n_in, n_out // 16, 16).transpose(0, 1).contiguous()
         elif "panels" not in paths:
             self.weight_panels = None
-        self.route, self.prefill_route = route, prefill_route or route
+        self.route, self.prefill_route = route, prefill_route
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Compiled (Transformer.compile_decode), the path is fixed per graph: is_compiling()
@@ -748,8 +751,11 @@ class CpuLinear(nn.Module):
                 return self._panels(x, rows)
             return self._gemv(x)  # a frozen constant that inductor prepacks itself
         rows = x.numel() // x.shape[-1]
-        inputs: ForwardInputs | None = getattr(_forward, "inputs", None)
-        route = self.prefill_route if inputs is not None and inputs.prompt_lengths is not None else self.route
+        route = self.route
+        if self.prefill_route is not route:  # bfloat16: a prefill takes its own route
+            inputs: ForwardInputs | None = getattr(_forward, "inputs", None)
+            if inputs is not None and inputs.prompt_lengths is not None:
+                route = self.prefill_route
         path = route[min(rows, len(route) - 1)]
         if path == "packed" and self.packed is not None:
             return self._packed(x, rows)
