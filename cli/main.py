@@ -40,7 +40,7 @@ from pathlib import Path
 from serve_app import admin_client
 from distill import DistillError
 from adaspec.datasets import DATASETS
-from adaspec.models import BUNDLED_DRAFTS, EMBEDDED_MODELS, ModelError, prepare_model
+from adaspec.models import BUNDLED_DRAFTS, DEFAULT_MODEL, EMBEDDED_MODELS, ModelError, prepare_model, shipped_profile
 from adaspec.policy import PolicyError, SpecPolicy
 from cli.serve_config import ConfigError
 from controller.checkpoint_file import CheckpointError
@@ -132,7 +132,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     from cli.profile import profile
 
     summary = profile(args.url, Path(args.out), _int_list(args.ks, "--ks"),
-                      _int_list(args.batches, "--batches"), args.max_tokens, token=args.token)
+                      _int_list(args.batches, "--batches"), args.max_tokens, token=args.token, dataset=args.dataset)
     if args.json:
         print(json.dumps(summary, indent=2))
     return 0
@@ -352,6 +352,9 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     _positive(args.num_prompts, "--num-prompts")
     _positive(args.rounds, "--rounds")
     _positive(args.max_tokens, "--max-tokens")
+    if args.profile is None:  # the default model's shipped profile, where there is one
+        shipped = shipped_profile(DEFAULT_MODEL, "vllm")
+        args.profile = str(shipped) if shipped else None
     try:
         policies = resolve(_policy_list(args.policies), Path(args.profile) if args.profile else None)
     except PolicyError as e:
@@ -485,7 +488,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="folder for steps.jsonl and profile.json")
     p.add_argument("--ks", default="0,1,2,3,4", help="speculation lengths to sweep")
     p.add_argument("--batches", default="1,2,4,8,16,32", help="batch sizes to sweep")
-    p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
+    p.add_argument("--max-tokens", type=int, default=64,
+                   help="cap on output tokens per request (each also stops at EOS and at its dataset's reply length)")
+    p.add_argument("--dataset", default="mixed", choices=DATASETS, help="prompts (train split)")
     p.set_defaults(func=_cmd_profile)
 
     p = sub.add_parser("simulate", help="simulate N replicas and the controller")
@@ -554,8 +559,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="interleaved rounds of every cell (new prompts each); with 2+ the report gives 95%% "
                         "intervals and picks the oracle on held-out rounds")
     _add_workload(p)
-    p.add_argument("--profile", default="bench/results/profile-cpu/steps.jsonl",
-                   help="`adaspec profile` steps for table:profiled (and the controller's start model)")
+    p.add_argument("--profile", default=None,
+                   help="`adaspec profile` steps for table:profiled (and the controller's start model); "
+                   "default: the profile adaspec ships for the default model on vLLM")
     p.add_argument("--phase-trace", default=None,
                    help="also run this DATASET:RATE:SECONDS,... trace under every policy")
     p.add_argument("--cross-check-rate", default=None,

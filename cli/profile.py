@@ -1,57 +1,48 @@
 """`adaspec profile`: a step-time profiling sweep against a live adaspec server.
 
 For every speculation length k and batch size B of the grid, the sweep pushes the policy
-`chainK` to every replica (the controller is paused meanwhile), runs B concurrent greedy
-requests, and collects the engine steps they caused from the replicas' telemetry. It saves
-the steps (JSON lines `{"model_id", "step"}`, the format `controller.profile_path` reads),
-fits the step-time model, and reports its error on held-out steps.
+`chainK` to every replica (the controller is paused meanwhile), sends B requests at once and
+collects the engine steps they caused from the replicas' telemetry. The requests are served
+traffic, as `adaspec bench` sends it: prompts from the train split of `--dataset` (the
+benchmarks draw from the test split), the realistic mix of greedy and T=0.7 requests, each
+stopping at EOS or at its dataset's reply length (bench/client.py). A profile of short fixed
+prompts run greedy to `max_tokens` priced a step at batch 32 by a context a third of a real
+one and overstated acceptance (docs/benchmarks.md). It saves the steps (JSON lines
+`{"model_id", "step"}`, the format `controller.profile_path` reads), fits the step-time
+model, and reports its error on held-out steps.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-import threading
 import time
 from pathlib import Path
 
-import httpx
-
+from adaspec.datasets import load_prompts
 from adaspec.policy import SpecConfig
 from adaspec.telemetry import ProfiledStep
+from bench.client import RequestMix, run_load
+from bench.harness import reply_token_caps
+from bench.machine import describe
 from controller.step_time import StepTimeModel
 from serve_app import admin_client
 
-PROMPTS = [
-    "Write a short story about a cat who learns to fly.",
-    "Explain how a transformer language model generates text.",
-    "def quicksort(arr):\n    \"\"\"Sort a list using quicksort.\"\"\"\n",
-    "List ten countries in Europe and their capitals:",
-    "one two three four five six, one two three four five six, one two",
-    "The history of the Roman Empire began",
-]
 
-
-def _run_batch(url: str, model: str, batch: int, max_tokens: int) -> None:
-    errors: list[str] = []
-
-    def one(i: int) -> None:
-        body = {"model": model, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens,
-                "temperature": 0, "ignore_eos": True}
-        r = httpx.post(f"{url}/v1/completions", json=body, timeout=600)
-        if r.status_code != 200:
-            errors.append(r.text[:200])
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(batch)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+def _run_batch(url: str, model: str, dataset: str, batch: int, max_tokens: int, seed: int) -> None:
+    """`batch` requests of `dataset` (train split, drawn by `seed`) at once, decoded as the
+    realistic mix says; raises AdminError when one fails."""
+    prompts = load_prompts(dataset, batch, seed, split="train")
+    caps = reply_token_caps(prompts, model, max_tokens)
+    results = asyncio.run(run_load(url, model, prompts, [0.0] * batch, caps, progress=False,
+                                   sampling=RequestMix().samplings(batch, seed)))
+    errors = [r.error for r in results if r.error]
     if errors:
         raise admin_client.AdminError(f"profiling requests failed: {errors[0]}")
 
 
 def profile(url: str, out: Path, ks: list[int], batches: list[int], max_tokens: int = 64,
-            token: str | None = None, log=print) -> dict:
+            token: str | None = None, log=print, dataset: str = "mixed") -> dict:
     """Run the sweep; write out/steps.jsonl and out/profile.json; return the summary."""
     out.mkdir(parents=True, exist_ok=True)
     reports = admin_client.status(url, token)
@@ -66,13 +57,14 @@ def profile(url: str, out: Path, ks: list[int], batches: list[int], max_tokens: 
     if controller is not None and not controller.paused:
         admin_client.controller_action(url, "pause", token)
     cells, steps_file = [], out / "steps.jsonl"
+    machine = describe()
     model = StepTimeModel()
     try:
         with steps_file.open("w") as f:
             for i, (k, batch) in enumerate([(k, b) for k in ks for b in batches]):
                 admin_client.set_policy(url, str(SpecConfig.chain(k)), token)
                 start = time.time()
-                _run_batch(url, model_id, batch, max_tokens)
+                _run_batch(url, model_id, dataset, batch, max_tokens, seed=batch)  # the same requests for every k
                 steps = [s for r in admin_client.status(url, token) for s in r.steps if s.time > start]
                 for s in steps:
                     f.write(ProfiledStep(model_id=model_id, step=s).model_dump_json() + "\n")
@@ -87,6 +79,7 @@ def profile(url: str, out: Path, ks: list[int], batches: list[int], max_tokens: 
             admin_client.controller_action(url, "resume", token)
     fit = model.fit()
     summary = {"model_id": model_id, "url": url, "ks": ks, "batches": batches, "max_tokens": max_tokens,
+               "dataset": dataset, "requests": RequestMix().describe(max_tokens), "machine": machine,
                "cells": cells, "fit": {"kind": fit.kind, "samples": fit.samples,
                                        "holdout_samples": fit.holdout_samples, "holdout_mape": fit.holdout_mape},
                "steps_file": str(steps_file)}
