@@ -433,26 +433,30 @@ def test_adaspec_profile_against_the_server(server, client, tmp_path):
     """`adaspec profile` as a user runs it: per (k, batch) cell, served requests of the asked
     dataset at once; the steps it saves ran each k at that batch, and the policy in force and
     the controller's state are given back afterwards."""
+    from adaspec.telemetry import read_profile
     from tests.conftest import policy_of, push_policy, replica_status, set_controller
 
     was_paused = client.get("/admin/controller").json()["paused"]
     set_controller(client, "pause")  # held still, so the policy given back is the one pushed here
-    push_policy(client, "1-2:chain2,3+:off")
-    cmd = [sys.executable, "-m", "cli.main", "profile", "--url", server.url, "--ks", "0,1", "--batches", "1,3",
-           "--max-tokens", "10", "--dataset", "codeedit", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "profile.json").read_text())
-    assert [(c["k"], c["batch"]) for c in summary["cells"]] == [(0, 1), (0, 3), (1, 1), (1, 3)]
-    assert summary["dataset"] == "codeedit" and "realistic mix" in summary["requests"]
-    steps = [StepRecord.model_validate(json.loads(line)["step"]) for line in (tmp_path / "steps.jsonl").open()]
-    decode = [s for s in steps if s.num_decode_reqs and not s.prefill_tokens]
-    assert {(str(s.config), s.batch_size) for s in decode} >= {("off", 1), ("off", 3), ("chain1", 1), ("chain1", 3)}
-    assert any(s.num_drafts for s in decode if str(s.config) == "chain1")
-    assert not any(s.num_drafts for s in decode if str(s.config) == "off")
-    assert str(policy_of(replica_status(client)[0])) == "1-2:chain2,3+:off"
-    assert client.get("/admin/controller").json()["paused"]
-    set_controller(client, "pause" if was_paused else "resume")
+    try:
+        push_policy(client, "1-2:chain2,3+:off")
+        cmd = [sys.executable, "-m", "cli.main", "profile", "--url", server.url, "--ks", "0,1", "--batches", "1,3",
+               "--max-tokens", "10", "--dataset", "codeedit", "--out", str(tmp_path)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        summary = json.loads((tmp_path / "profile.json").read_text())
+        assert [(c["k"], c["batch"]) for c in summary["cells"]] == [(0, 1), (0, 3), (1, 1), (1, 3)]
+        assert summary["dataset"] == "codeedit" and "realistic mix" in summary["requests"]
+        model_id, steps = read_profile(str(tmp_path / "steps.jsonl"))
+        assert model_id == "smollm2-135m-instruct"
+        decode = [s for s in steps if s.num_decode_reqs and not s.prefill_tokens]
+        assert {(str(s.config), s.batch_size) for s in decode} >= {("off", 1), ("off", 3), ("chain1", 1), ("chain1", 3)}
+        assert any(s.num_drafts for s in decode if str(s.config) == "chain1")
+        assert not any(s.num_drafts for s in decode if str(s.config) == "off")
+        assert str(policy_of(replica_status(client)[0])) == "1-2:chain2,3+:off"
+        assert client.get("/admin/controller").json()["paused"]
+    finally:
+        set_controller(client, "pause" if was_paused else "resume")
 
 
 def test_summary_fits_one_screen_with_and_without_adaspec_telemetry():
