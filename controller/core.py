@@ -64,8 +64,12 @@ class ControllerCore:
         policy = None
         # A window without steps (an idle replica) teaches the models nothing and changes no
         # input of the decision, so the policy in force stays: no new version every period.
-        # A replica not decided for yet still gets its first (warm) policy.
-        idle = not tel.steps and rep.decision is not None
+        # A replica not decided for yet still gets its first (warm) policy, and one that runs
+        # another policy than the one decided for it (set by hand while the controller was
+        # paused) gets the controller's back now, not a step into the next burst: a burst's
+        # first steps take seconds, all of them under the stale policy.
+        idle = (not tel.steps and rep.decision is not None
+                and rep.policy_in_force.same_rules(rep.decision.policy))
         if not self.paused and not idle:
             decision = self._decide(tel.replica_id, costs, expected, now)
             if decision.changed:

@@ -303,6 +303,22 @@ def test_an_idle_replica_keeps_its_policy_version():
         versions.add(core.replicas["r0"].policy_in_force.version)
     assert len(versions) == 1
 
+    # A policy set by hand while paused: on resume the controller's comes back at the next
+    # report, traffic or not, and then stays put.
+    def idle_report(i: int):
+        return rep.telemetry(t + i, 1.0, batch=1, arrivals=0).model_copy(update={"steps": [], "running": 0})
+
+    decided = core.replicas["r0"].decision.policy
+    manual = SpecPolicy.parse("chain4", version=decided.version + 1)
+    assert not manual.same_rules(decided)
+    core.paused, rep.policy = True, manual
+    assert core.report(idle_report(21), now=t + 22.0).policy is None
+    core.paused = False
+    back = core.report(idle_report(22), now=t + 23.0).policy
+    assert back is not None and back.same_rules(decided) and back.version > manual.version
+    rep.policy = back
+    assert all(core.report(idle_report(i), now=t + i + 1.0).policy is None for i in range(23, 30))
+
     newcomer = SimulatedReplica("r1", alpha=0.7).telemetry(t, 1.0, batch=4, arrivals=0)
     first = core.report(newcomer.model_copy(update={"steps": [], "running": 0}), now=t + 1.0)
     assert core.replicas["r1"].decision is not None and first.speed is not None
