@@ -6,8 +6,8 @@ collects the engine steps they caused from the replicas' telemetry. The requests
 traffic, as `adaspec bench` sends it: prompts from the train split of `--dataset` (the
 benchmarks draw from the test split), the realistic mix of greedy and T=0.7 requests, each
 stopping at EOS or at its dataset's reply length (bench/client.py). A profile of short fixed
-prompts run greedy to `max_tokens` priced a step at batch 32 by a context a third of a real
-one and overstated acceptance (docs/benchmarks.md). It saves the steps (JSON lines
+prompts run greedy to `max_tokens` priced large batches by a fifth of a served context
+(docs/controller.md) and overstated what speculation buys (docs/benchmarks.md). It saves the steps (JSON lines
 `{"model_id", "step"}`, the format `controller.profile_path` reads), fits the step-time
 model, and reports its error on held-out steps.
 """
