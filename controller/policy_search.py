@@ -142,9 +142,34 @@ class CostTable:
     @classmethod
     def build(cls, model: StepTimeModel, configs: list[SpecConfig], max_batch: int,
               context_per_seq: float, prefill_per_step: float, proposal_rate: float = 1.0) -> CostTable:
-        rows = [decode_features(b, c, context_per_seq, prefill_per_step, proposal_rate)
-                for b in range(1, max_batch + 1) for c in configs]
-        predicted = monotone_table(model.predict(rows).reshape(max_batch, len(configs)))
+        """Decode-only step times at the replica's context and prefill (tokens per step).
+
+        A step's prompt tokens are work the prompts fix, whatever the config: charging every
+        config the whole step would reward configs that take fewer steps for prefill they do
+        not save (a burst's 200 prompt tokens a step made chain3 look 48% cheaper per token
+        than `off`, docs/benchmarks.md). So a config is charged its decode step without
+        prefill, t(b, c, 0), or where larger `off`'s plus the config's increment over `off` at
+        the current prefill P, t(b, off, 0) + t(b, c, P) - t(b, off, P): verify tokens on top
+        of a prompt-heavy pass can cost more (the pass is nearer the compute-bound side). Never
+        less: recorded steps with many prompt tokens have few decoding sequences, so a fitted
+        model's increment at a large P over all b sequences is an extrapolation (the shipped
+        profile's model priced chain3 at batch 32 a quarter below `off` at 2,000 prompt
+        tokens a step)."""
+        batches = range(1, max_batch + 1)
+
+        def table(prefill: float) -> np.ndarray:
+            rows = [decode_features(b, c, context_per_seq, prefill, proposal_rate)
+                    for b in batches for c in configs]
+            return model.predict(rows).reshape(max_batch, len(configs))
+
+        predicted = table(0.0)
+        if prefill_per_step > 0:
+            off = SpecConfig.off()
+            base = model.predict([decode_features(b, off, context_per_seq, p)
+                                  for p in (0.0, prefill_per_step) for b in batches]).reshape(2, max_batch)
+            at_prefill = table(prefill_per_step) - base[1][:, None]
+            predicted = np.maximum(predicted, base[0][:, None] + at_prefill)
+        predicted = monotone_table(predicted)
         return cls(configs, np.vstack([predicted[:1], predicted]))
 
     @property

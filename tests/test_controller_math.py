@@ -108,6 +108,55 @@ def test_search_speculates_when_idle_and_stops_when_busy():
     assert str(search_policy(costs, _expected(costs, 0.02), 1.0, 128).policy) == "1+:off"
 
 
+class PrefillInComputeRoofline:
+    """An exact step-time model (synthetic, not fitted) in which a step's prompt tokens
+    share the compute with its decode tokens: max(floor, slope * (batch * tokens + prefill))."""
+
+    def predict(self, rows):
+        x = np.asarray(rows, dtype=float)
+        batch, tokens, depth, context, prefill = x.T
+        return np.maximum(0.04, 0.0009 * (batch * tokens + prefill)) + 2e-6 * context + 0.002 * depth
+
+
+def test_a_bursts_prefill_does_not_make_speculation_look_cheap():
+    """Prompt tokens are fixed by the prompts, not by the number of steps: a config that takes
+    fewer steps saves none of them. Pricing every config the whole step at a burst's prefill
+    made deep chains look cheap; the table prices decode only."""
+    configs = candidate_configs(max_k=4, supports_trees=False)
+    model = PrefillInComputeRoofline()
+    quiet = CostTable.build(model, configs, max_batch=32, context_per_seq=300, prefill_per_step=0)
+    burst = CostTable.build(model, configs, max_batch=32, context_per_seq=300, prefill_per_step=2000)
+    off = configs.index(SpecConfig.off())
+    # `off`'s step is its decode step, whatever the prefill...
+    np.testing.assert_allclose(burst.step_s[1:, off], quiet.step_s[1:, off])
+    # ...and a config's increment over it is what verifying costs on top of that prefill.
+    b, chain2 = 16, configs.index(SpecConfig.chain(2))
+    increment = model.predict([[b, 3, 2, b * 300, 2000]])[0] - model.predict([[b, 1, 0, b * 300, 2000]])[0]
+    assert burst.step_s[b, chain2] - burst.step_s[b, off] == pytest.approx(increment)
+    # So the prefill never makes the search speculate deeper than it would without it.
+    expected = _expected(quiet, 0.8)
+    calm = search_policy(quiet, expected, 1.0, 128).policy
+    busy = search_policy(burst, expected, 1.0, 128).policy
+    assert calm.config_for(1).depth >= 3 and calm.config_for(32).depth < calm.config_for(1).depth
+    for batch in range(1, 33):
+        assert busy.config_for(batch).depth <= calm.config_for(batch).depth, batch
+    # A fitted model may price verification cheaper in prompt-heavy steps (its steps with many
+    # prompt tokens have few decoding sequences): the table keeps the price without prefill.
+    cheaper = CostTable.build(VerifyCheaperWithPrefill(), configs, max_batch=32, context_per_seq=300,
+                              prefill_per_step=2000)
+    np.testing.assert_allclose(cheaper.step_s, quiet.step_s)
+
+
+class VerifyCheaperWithPrefill(PrefillInComputeRoofline):
+    """The roofline, but in steps that carry prompt tokens a draft token costs next to nothing."""
+
+    def predict(self, rows):
+        x = np.asarray(rows, dtype=float)
+        without_drafts = x.copy()
+        without_drafts[:, 1:3] = (1.0, 0.0)
+        return np.where(x[:, 4] > 0, super().predict(without_drafts) + 0.0001 * x[:, 2], super().predict(x))
+
+
 def test_hysteresis_keeps_a_nearly_as_good_policy():
     costs = _costs()
     expected = _expected(costs, 0.8)
