@@ -309,11 +309,11 @@ class NativeEngine:
         key_len = max(lengths) + T
         assert key_len <= self.cache.max_len, "cache row overflow: admission should have prevented it"
         dev = self.device
+        counts = [len(t) + 1 for t in trees]
         if T == 1 and min(lengths) == max(lengths):
             mask = None  # one token per row, every row as long: each attends all key_len keys
         else:
-            mask = attention_mask(block, torch.tensor(lengths), key_len).to(dev)
-        counts = [len(t) + 1 for t in trees]
+            mask = attention_mask(block, torch.tensor(lengths), key_len, counts).to(dev)
         real = torch.tensor([b * T + i for b, n in enumerate(counts) for i in range(n)], device=dev)
         # Uneven trees: skip the pads' matmul work.
         packed = Packing(real, len(trees), T) if len(real) <= PACK_BELOW * len(trees) * T else None

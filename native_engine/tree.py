@@ -152,13 +152,21 @@ def batch_tree_inputs(trees: list[DraftTree], roots: list[int], lengths: list[in
     return tokens, start + depth, start + torch.arange(T)[None, :], block
 
 
-def attention_mask(block: torch.Tensor, lengths: torch.Tensor, key_len: int) -> torch.Tensor:
+def attention_mask(block: torch.Tensor, lengths: torch.Tensor, key_len: int,
+                   tokens_per_row: list[int] | None = None) -> torch.Tensor:
     """Full mask [B, 1, Tq, key_len]: each new token sees its row's committed prefix (cache
     positions < length) plus the block [B, Tq, Tk], whose columns are cache positions
-    length .. length + Tk - 1 (Tk = Tq when the block is the new tokens themselves)."""
+    length .. length + Tk - 1 (Tk = Tq when the block is the new tokens themselves).
+    tokens_per_row: a row's tokens after its first tokens_per_row[b] are pads (their outputs
+    are dropped): they see only the block, so the attention kernel skips the prefix for them
+    (native_engine/csrc/decode_attention.cpp, `run`)."""
     B, Tq, Tk = block.shape
     keys = torch.arange(key_len, device=block.device)
-    mask = (keys[None, None, :] < lengths[:, None, None]).expand(B, Tq, key_len).clone()
+    sees_prefix = torch.ones(B, Tq, 1, dtype=torch.bool, device=block.device)
+    if tokens_per_row is not None:
+        real = torch.tensor(tokens_per_row, device=block.device)
+        sees_prefix = (torch.arange(Tq, device=block.device)[None, :] < real[:, None])[:, :, None]
+    mask = (keys[None, None, :] < lengths[:, None, None]) & sees_prefix
     cols = (lengths[:, None] + torch.arange(Tk, device=block.device)[None, :])[:, None, :].expand(B, Tq, Tk)
     mask.scatter_(2, cols, block)
     return mask[:, None]

@@ -68,7 +68,8 @@ def _tree_case(B: int, T: int, S: int, seed: int):
     lengths = torch.randint(1, S - T + 1, (B,), generator=gen)
     lengths[0] = S - T
     _, _, _, block = batch_tree_inputs(trees, [0] * B, lengths.tolist())
-    return attention_mask(block, lengths, S)
+    # Pads see only themselves, as in the engine's verify pass: their queries start late.
+    return attention_mask(block, lengths, S, [len(t) + 1 for t in trees])
 
 
 @pytest.mark.parametrize("H,Hkv,Dh,T", [(9, 3, 64, 5), (4, 4, 16, 2), (14, 2, 64, 9), (8, 2, 128, 3)])
@@ -329,7 +330,7 @@ def _panels_bf16(w: torch.Tensor) -> torch.Tensor:
 
 # (960, 576) takes the loop of the CPU's best unit (AMX, AVX512-BF16 or AVX2); 7 inputs, odd,
 # take the AVX2 loop on every CPU (panel_matmul.cpp).
-@pytest.mark.parametrize("rows", [1, 2, 6, 7, 16, 17, 64])
+@pytest.mark.parametrize("rows", [1, 2, 6, 7, 16, 17, 33, 48, 50, 64])
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (16, 7)])
 def test_the_bfloat16_panel_matmul_is_float32_arithmetic_rounded_once(rows, out_features, in_features):
     gen = torch.Generator().manual_seed(rows)

@@ -193,15 +193,21 @@ struct Pass {
   float scale;
 };
 
+// With a mask, a query starts at the first key it may attend: the keys before it would score
+// -inf. A verify pass's pad tokens see only themselves (native_engine.tree.attention_mask),
+// so they cost one key each instead of the whole prefix.
 void run(const Pass& p) {
   const int64_t most = p.B ? *std::max_element(p.counts, p.counts + p.B) : 0;
   at::parallel_for(0, p.B * p.Hkv * p.T, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(std::min<int64_t>(4, p.G) * most);
     for (int64_t item = begin; item < end; ++item) {  // item = (b * Hkv + h) * T + t
       const int64_t t = item % p.T, h = (item / p.T) % p.Hkv, b = item / (p.T * p.Hkv);
-      attend(p.q + b * p.q_b + t * p.q_t + h * p.q_h, p.k + b * p.k_b + h * p.k_h, p.v + b * p.v_b + h * p.v_h,
-             p.counts[b], p.G, p.D, p.scale, p.allowed ? p.allowed + (b * p.T + t) * p.width : nullptr,
-             scores.data(), most, p.out + b * p.o_b + t * p.o_t + h * p.o_h);
+      const uint8_t* allowed = p.allowed ? p.allowed + (b * p.T + t) * p.width : nullptr;
+      int64_t first = allowed ? std::find(allowed, allowed + p.counts[b], uint8_t{1}) - allowed : 0;
+      if (first == p.counts[b]) first = 0;  // no key at all: every score -inf, zeros out
+      attend(p.q + b * p.q_b + t * p.q_t + h * p.q_h, p.k + b * p.k_b + h * p.k_h + first * p.D,
+             p.v + b * p.v_b + h * p.v_h + first * p.D, p.counts[b] - first, p.G, p.D, p.scale,
+             allowed ? allowed + first : nullptr, scores.data(), most, p.out + b * p.o_b + t * p.o_t + h * p.o_h);
     }
   });
 }

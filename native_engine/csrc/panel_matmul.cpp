@@ -248,32 +248,65 @@ bool has_amx() {
 
 bool amx_layout(int64_t K) { return pairs_layout(K) && K % AMX_K == 0 && has_amx(); }
 
-// Rows x [M, K] (M <= 16) times panels p0..p1 of w into y. Tiles: 0 = A (x), 1 = B (panel), 2 = C.
+// 16 float32 sums rounded to bfloat16 as at::BFloat16 rounds them (to nearest, ties to even;
+// the sums are finite), one vector at a time: element by element the rounding took about as
+// long as the tile products at 32 rows.
+ADASPEC_AMX inline void store_bf16(const float* sums, at::BFloat16* y) {
+  const __m512i u = _mm512_castps_si512(_mm512_load_ps(sums));
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), _mm512_cvtepi32_epi16(rounded));
+}
+
+// Rows x [M, K] (M <= 16 * NB) times panels p0..p1 of w into y, in NB blocks of up to 16 rows
+// that share each loaded B tile: a verify pass of 17-48 rows streams every weight once, not
+// once per 16 rows (which doubled the matmul time of a batch-16 pass from 16 rows to 32).
+// Tiles: 0..NB-1 = A (x, a block each), 3 = B (panel), 4..3+NB = C. Each C tile sums its k
+// in the same order as a block run alone: the same bits whatever rows share the pass.
+template <int NB>
 ADASPEC_AMX void panels_amx(const at::BFloat16* x, const at::BFloat16* w, at::BFloat16* y, int64_t M, int64_t K,
                             int64_t N, int64_t p0, int64_t p1) {
   TileConfig cfg;
-  cfg.rows[0] = static_cast<uint8_t>(M);
-  cfg.colsb[0] = AMX_K * 2;
-  cfg.rows[1] = AMX_K / 2;
-  cfg.colsb[1] = PANEL * 4;
-  cfg.rows[2] = static_cast<uint8_t>(M);
-  cfg.colsb[2] = PANEL * 4;
+  int64_t rows[NB];
+  for (int j = 0; j < NB; ++j) {
+    rows[j] = std::min<int64_t>(16, M - 16 * j);
+    cfg.rows[j] = static_cast<uint8_t>(rows[j]);
+    cfg.colsb[j] = AMX_K * 2;
+    cfg.rows[4 + j] = static_cast<uint8_t>(rows[j]);
+    cfg.colsb[4 + j] = PANEL * 4;
+  }
+  cfg.rows[3] = AMX_K / 2;
+  cfg.colsb[3] = PANEL * 4;
   _tile_loadconfig(&cfg);
-  alignas(64) float out[16 * PANEL];
+  alignas(64) float out[NB][16 * PANEL];
   for (int64_t p = p0; p < p1; ++p) {
     const at::BFloat16* panel = w + p * K * PANEL;
-    _tile_zero(2);
+    _tile_zero(4);
+    if constexpr (NB > 1) _tile_zero(5);
+    if constexpr (NB > 2) _tile_zero(6);
     for (int64_t k = 0; k < K; k += AMX_K) {
+      _tile_loadd(3, panel + k * PANEL, PANEL * 4);
       _tile_loadd(0, x + k, K * 2);
-      _tile_loadd(1, panel + k * PANEL, PANEL * 4);
-      _tile_dpbf16ps(2, 0, 1);
+      _tile_dpbf16ps(4, 0, 3);
+      if constexpr (NB > 1) {
+        _tile_loadd(1, x + 16 * K + k, K * 2);
+        _tile_dpbf16ps(5, 1, 3);
+      }
+      if constexpr (NB > 2) {
+        _tile_loadd(2, x + 32 * K + k, K * 2);
+        _tile_dpbf16ps(6, 2, 3);
+      }
     }
-    _tile_stored(2, out, PANEL * 4);
-    for (int64_t r = 0; r < M; ++r)
-      for (int64_t i = 0; i < PANEL; ++i) y[r * N + p * PANEL + i] = at::BFloat16(out[r * PANEL + i]);
+    _tile_stored(4, out[0], PANEL * 4);
+    if constexpr (NB > 1) _tile_stored(5, out[1], PANEL * 4);
+    if constexpr (NB > 2) _tile_stored(6, out[2], PANEL * 4);
+    for (int j = 0; j < NB; ++j)
+      for (int64_t r = 0; r < rows[j]; ++r)
+        store_bf16(out[j] + r * PANEL, y + (16 * j + r) * N + p * PANEL);
   }
   _tile_release();
 }
+constexpr int64_t AMX_ROWS = 48;  // rows per weight pass: three A tiles, three C tiles, one B
 
 void check_shapes(const torch::Tensor& x, const torch::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.size(2) == PANEL && x.size(1) == w.size(1),
@@ -302,8 +335,14 @@ torch::Tensor panel_matmul_bf16(const torch::Tensor& x, const torch::Tensor& w) 
   if (amx_layout(K)) {
     const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
     at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t m = 0; m < M; m += 16)
-        panels_amx(xp + m * K, wp, yp + m * panels * PANEL, std::min<int64_t>(16, M - m), K, panels * PANEL, begin, end);
+      for (int64_t m = 0; m < M; m += AMX_ROWS) {
+        const int64_t rows = std::min<int64_t>(AMX_ROWS, M - m);
+        const at::BFloat16* xm = xp + m * K;
+        at::BFloat16* ym = yp + m * panels * PANEL;
+        if (rows > 32) panels_amx<3>(xm, wp, ym, rows, K, panels * PANEL, begin, end);
+        else if (rows > 16) panels_amx<2>(xm, wp, ym, rows, K, panels * PANEL, begin, end);
+        else panels_amx<1>(xm, wp, ym, rows, K, panels * PANEL, begin, end);
+      }
     });
     return y;
   }
