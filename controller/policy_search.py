@@ -155,21 +155,18 @@ class CostTable:
         model's increment at a large P over all b sequences is an extrapolation (the shipped
         profile's model priced chain3 at batch 32 a quarter below `off` at 2,000 prompt
         tokens a step)."""
-        batches = range(1, max_batch + 1)
+        priced = [*configs, SpecConfig.off()]  # the last column: `off`, the increments' base
 
         def table(prefill: float) -> np.ndarray:
             rows = [decode_features(b, c, context_per_seq, prefill, proposal_rate)
-                    for b in batches for c in configs]
-            return model.predict(rows).reshape(max_batch, len(configs))
+                    for b in range(1, max_batch + 1) for c in priced]
+            return model.predict(rows).reshape(max_batch, len(priced))
 
         predicted = table(0.0)
         if prefill_per_step > 0:
-            off = SpecConfig.off()
-            base = model.predict([decode_features(b, off, context_per_seq, p)
-                                  for p in (0.0, prefill_per_step) for b in batches]).reshape(2, max_batch)
-            at_prefill = table(prefill_per_step) - base[1][:, None]
-            predicted = np.maximum(predicted, base[0][:, None] + at_prefill)
-        predicted = monotone_table(predicted)
+            at_prefill = table(prefill_per_step)
+            predicted = np.maximum(predicted, predicted[:, -1:] + at_prefill - at_prefill[:, -1:])
+        predicted = monotone_table(predicted[:, :-1])
         return cls(configs, np.vstack([predicted[:1], predicted]))
 
     @property
