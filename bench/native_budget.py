@@ -13,6 +13,7 @@ under `auto` (per-request budgets, native_engine/budget.py) and under each stati
   of the machine spreads over all of them;
 - `auto` learns (its acceptance calibration and step-cost fit, native_engine/budget.py), and
   a serving replica has learned before most requests arrive: so before the rounds, `auto`
+  calibrates its step cost as a replica does at start (NativeEngine.calibrate_step_cost) and
   serves a warm-up set of the same size from the train split (no prompt in common), and
   every measured `auto` run starts from a copy of that state. Static policies learn nothing.
 
@@ -120,12 +121,17 @@ def step_profile(runs: list[dict]) -> list[dict]:
     return rows
 
 
+def engine_for(base: NativeEngine, policy: str, batch: int) -> NativeEngine:
+    """A fresh engine of `batch` rows over `base`'s weights."""
+    return NativeEngine(base.model, NgramDrafter(), EngineConfig(max_batch_size=batch, max_seq_len=MAX_SEQ_LEN),
+                        SpecPolicy.parse(policy), base.tokenizer, tuple(base.eos_ids))
+
+
 def run(base: NativeEngine, policy: str, requests: list[dict], batch: int, planner: BudgetPlanner | None = None
         ) -> dict:
     """Every request queued at once into a fresh engine of `batch` rows, until all finish;
     `planner`: the per-request budget state to start from (a copy is used)."""
-    engine = NativeEngine(base.model, NgramDrafter(), EngineConfig(max_batch_size=batch, max_seq_len=MAX_SEQ_LEN),
-                          SpecPolicy.parse(policy), base.tokenizer, tuple(base.eos_ids))
+    engine = engine_for(base, policy, batch)
     if planner is not None:
         engine.budget = copy.deepcopy(planner)
         engine.budget.reliability[:] = 0.0  # this run's nodes only
@@ -198,10 +204,13 @@ def main() -> None:
     run(base, "off", sets[batches[0]][:1], 1)  # warm-up: allocator, thread pool, weights
     warm = {}
     for b in batches:
-        w = run(base, BUDGETED, request_set(REQUESTS[b], args.seed, args.max_tokens, folder, split="train"), b)
+        calibrated = engine_for(base, BUDGETED, b)
+        seconds = calibrated.calibrate_step_cost()  # as a serving replica does at start
+        w = run(base, BUDGETED, request_set(REQUESTS[b], args.seed, args.max_tokens, folder, split="train"), b,
+                calibrated.budget)
         warm[b] = w["planner"]
-        print(f"[budget] warm-up of {BUDGETED} at batch {b}: {w['decode_tokens_per_s']:.1f} tok/s "
-              f"(train split, not scored)", flush=True)
+        print(f"[budget] warm-up of {BUDGETED} at batch {b}: step cost calibrated in {seconds:.1f} s, then "
+              f"{w['decode_tokens_per_s']:.1f} tok/s (train split, not scored)", flush=True)
     runs: list[dict] = []
     total = args.rounds * len(batches) * len(policies)
     for rnd in range(args.rounds):

@@ -141,6 +141,13 @@ NEAR_BEST = 0.03  # a budget this close to the best predicted rate counts as a t
 PER_SEQUENCE_CAPS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
 
 
+# The prior's precision: 1 s of standard deviation per coefficient, so a few steps outweigh it;
+# it fades with the recent steps' weight, and a floor of it keeps the solve well-posed.
+PRIOR_PRECISION = 1.0
+PRIOR_FLOOR = 1e-6
+ANCHOR_SPREAD = 16.0  # an anchor's weight falls this much per doubling between its batch size and the step's
+
+
 @dataclass
 class StepCost:
     """Step seconds as a piecewise-linear function of the tokens verified (the slope may change
@@ -150,36 +157,79 @@ class StepCost:
     KV tokens attended, and a step for verifying any draft at all: a pass of one token per
     row takes another path than a verify pass (the compiled graph under compile_decode, the
     one-token matmul layout eagerly), so the first node costs more than the next ones.
-    Fitted by recursive least squares with forgetting over the engine's decode steps (about
-    the last 100), so the fit follows the regime the engine runs in now."""
+
+    Fitted by weighted least squares over two sets of passes:
+    - the engine's own decode steps, weighted forgetting ** age (about the last 100), so the
+      fit follows the regime the engine runs in now;
+    - anchors (`add_anchor`): verify passes of set tree layouts the engine timed before
+      serving (NativeEngine.calibrate_step_cost), never forgotten. The engine's own steps
+      alone are nearly collinear (under one policy the tokens, the padding and the
+      sequences move together), and a fit on them alone extrapolates to the budgets it did
+      not run: measured on SmolLM2-135M at batch 4, it priced a node per sequence at 5.7 ms
+      where it cost 3.1 (docs/native-engine.md, Anchored step cost). An anchor times the
+      verify pass only, not the drafting and planning around it: a column of its own (zero
+      when predicting) takes that difference up, the engine's steps pinning the level
+      and the anchors the slopes. One linear
+      model does not fit every batch size alike (the marginal node at batch 1 costs a
+      fraction of what the global fit says), so the fit is solved per batch size, an
+      anchor counting ANCHOR_SPREAD times less per doubling between its batch size and
+      the one predicted.
+    The prior (`prior`, coefficients) fades like a step of the first age."""
 
     forgetting: float = 0.99
-    theta: np.ndarray = field(default_factory=lambda: np.array(
-        [0.02, 0.002, 0.001] + [0.002] * len(COST_KNOTS) + [0.0005, 0.001, 0.0]))
-    # A loose prior (1 s of standard deviation per coefficient): a few steps outweigh it.
-    cov: np.ndarray = field(default_factory=lambda: np.eye(3 + len(COST_KNOTS) + 3))
-    samples: int = 0
+    prior: np.ndarray = field(default_factory=lambda: np.array(
+        [0.02, 0.002, 0.001] + [0.002] * len(COST_KNOTS) + [0.0005, 0.001, 0.0, 0.0]))
+    samples: int = 0  # decode steps added
+    anchors: int = 0  # anchor passes added
+
+    def __post_init__(self) -> None:
+        n = len(self.prior)
+        self._recent = (PRIOR_PRECISION * np.eye(n), PRIOR_PRECISION * self.prior)  # decayed X'WX, X'Wy
+        self._anchored: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # batch size -> X'X, X'y of its anchors
+        self._solved: dict[int, np.ndarray] = {}  # batch size -> coefficients, until the next pass added
 
     @staticmethod
-    def features(seqs, tokens, padded_tokens, context_tokens: int) -> np.ndarray:
-        """[..., features] for scalars or arrays of token counts."""
+    def features(seqs, tokens, padded_tokens, context_tokens: int, anchor: bool = False) -> np.ndarray:
+        """[..., features] for scalars or arrays of token counts; `anchor`: a timed verify
+        pass alone (add_anchor), not a whole step."""
         tokens = np.asarray(tokens, dtype=float)
         cols = [np.ones_like(tokens), np.full_like(tokens, float(seqs)), tokens]
         cols += [np.maximum(tokens - k, 0.0) for k in COST_KNOTS]
         cols += [np.broadcast_to(np.asarray(padded_tokens, dtype=float), tokens.shape),
                  np.full_like(tokens, context_tokens / 1000.0), (tokens > seqs).astype(float)]
+        cols.append(np.full_like(tokens, float(anchor)))
         return np.stack(cols, axis=-1)
 
     def add(self, duration_s: float, seqs: int, tokens: int, padded_tokens: int, context_tokens: int) -> None:
+        """A decode step's measured seconds."""
         x = self.features(seqs, tokens, padded_tokens, context_tokens)
-        px = self.cov @ x
-        gain = px / (self.forgetting + x @ px)
-        self.theta = self.theta + gain * (duration_s - x @ self.theta)
-        self.cov = (self.cov - np.outer(gain, px)) / self.forgetting
+        a, b = self._recent
+        self._recent = (self.forgetting * a + np.outer(x, x), self.forgetting * b + duration_s * x)
         self.samples += 1
+        self._solved.clear()
+
+    def add_anchor(self, duration_s: float, seqs: int, tokens: int, padded_tokens: int, context_tokens: int) -> None:
+        """A verify pass's measured seconds (no drafting, planning or committing around it)."""
+        x = self.features(seqs, tokens, padded_tokens, context_tokens, anchor=True)
+        n = len(self.prior)
+        a, b = self._anchored.get(seqs, (np.zeros((n, n)), np.zeros(n)))
+        self._anchored[seqs] = (a + np.outer(x, x), b + duration_s * x)
+        self.anchors += 1
+        self._solved.clear()
+
+    def coefficients(self, seqs: int) -> np.ndarray:
+        """The fit's coefficients for steps of `seqs` sequences."""
+        if seqs not in self._solved:
+            a = self._recent[0] + PRIOR_FLOOR * np.eye(len(self.prior))
+            b = self._recent[1] + PRIOR_FLOOR * self.prior
+            for size, (aa, ab) in self._anchored.items():
+                weight = ANCHOR_SPREAD ** -abs(np.log2(size / seqs))
+                a, b = a + weight * aa, b + weight * ab
+            self._solved[seqs] = np.linalg.solve(a, b)
+        return self._solved[seqs]
 
     def seconds(self, seqs: int, tokens, padded_tokens, context_tokens: int):
-        return self.features(seqs, tokens, padded_tokens, context_tokens) @ self.theta
+        return self.features(seqs, tokens, padded_tokens, context_tokens) @ self.coefficients(seqs)
 
     def step_seconds(self, seqs: int, context_tokens: int, longest: np.ndarray) -> np.ndarray:
         """[B] predicted seconds of a step verifying B = 0..len(longest) - 1 draft nodes

@@ -50,6 +50,14 @@ from native_engine.verify import Acceptance, accept_greedy, accept_sampled, prob
 # at most this share of the padded [B, T] layout: packing adds a scatter and a gather to every
 # layer, so it is kept for passes with much padding. A chosen value, not a measured break-even.
 PACK_BELOW = 0.75
+# calibrate_step_cost: draft nodes per sequence in each timed verify pass (a pattern repeated
+# over the batch): every row alike, a few rows deep beside undrafted ones (padding), and
+# mixed depths, so the step-cost fit sees tokens, padding and sequences vary apart. Each
+# layout is timed CALIBRATION_REPEATS times after one warm-up pass, at each prompt length
+# (tokens; the KV context attended).
+CALIBRATION_LAYOUTS = ((0,), (1,), (2,), (4,), (1, 0), (2, 0), (4, 0, 0, 0), (8, 0, 0, 0), (0, 1, 2, 4))
+CALIBRATION_REPEATS = 2
+CALIBRATION_PROMPTS = (150, 500)
 
 
 @dataclass(frozen=True)
@@ -189,6 +197,43 @@ class NativeEngine:
                 self.model(ids, pos, mask, self.cache, 0, pos, tokens)
 
         return self.model.compile_decode(warm_up, autotune, cpp_wrapper)
+
+    def calibrate_step_cost(self, batch_sizes: tuple[int, ...] | None = None,
+                            prompt_lengths: tuple[int, ...] = CALIBRATION_PROMPTS) -> float:
+        """Time verify passes of set tree layouts (CALIBRATION_LAYOUTS) at each batch size and
+        prompt length, and give them to the per-request budgets' step-cost fit as anchors
+        (native_engine.budget.StepCost), before any request runs: without them the fit has
+        only the steps the engine chose, and prices the budgets it did not run badly.
+        The passes run over whatever the cache rows hold (no prompt is run) and change no
+        request; nothing is recorded as a step. batch_sizes: default 1, 2, 4, ... and max_batch_size.
+        Returns the seconds spent."""
+        if self.has_unfinished():
+            raise RuntimeError("calibrate_step_cost runs before the engine takes requests")
+        start = time.perf_counter()
+        rows = self.config.max_batch_size
+        if batch_sizes is None:
+            batch_sizes = tuple(sorted({min(2 ** i, rows) for i in range(rows.bit_length())} | {rows}))
+        gen = torch.Generator().manual_seed(0)
+        vocab = self.model.args.vocab_size
+        room = self.config.max_seq_len - self.config.max_tree_nodes - 2  # a context, its root, one tree
+        greedy = SamplingParams(max_tokens=1)
+        for batch in batch_sizes:
+            for length in sorted({min(n, room) for n in prompt_lengths}):
+                # A pass costs the same whatever the cache holds: the rows are taken as they
+                # are, no prompt is run through the model.
+                decode = [Request(f"calibrate-{row}", [0] * length, greedy, 0.0, output=[0], row=row, cache_len=length)
+                          for row in range(min(batch, rows))]
+                context = sum(r.cache_len for r in decode)
+                for repeat in range(1 + CALIBRATION_REPEATS):  # the first pass of a layout warms it up
+                    for nodes in CALIBRATION_LAYOUTS:
+                        trees = [_chain(min(nodes[j % len(nodes)], self.config.max_tree_nodes), gen, vocab)
+                                 for j in range(len(decode))]
+                        t0 = time.perf_counter()
+                        _, verified, padded = self._verify(decode, trees)
+                        if repeat:
+                            self.budget.cost.add_anchor(time.perf_counter() - t0, len(decode), verified, padded,
+                                                        context)
+        return time.perf_counter() - start
 
     @property
     def max_depth(self) -> int:
@@ -424,6 +469,12 @@ class NativeEngine:
                 if o.request_id in out:
                     out[o.request_id].extend(o.new_token_ids)
         return [out[rid] for rid in ids]
+
+
+def _chain(nodes: int, gen: torch.Generator, vocab: int) -> DraftTree:
+    """A chain of `nodes` random tokens (a layout to time, not a draft)."""
+    return DraftTree(tokens=torch.randint(0, vocab, (nodes,), generator=gen).tolist(),
+                     parents=list(range(-1, nodes - 1)), scores=[0.5] * nodes)
 
 
 def _eos_ids(folder: Path) -> tuple[int, ...]:

@@ -175,6 +175,68 @@ def test_step_cost_fit_prices_the_first_draft_node_apart():
     assert best_budget([0.5, 0.45, 0.4, 0.35] + [0.0] * 4, 1, steps) == 4
 
 
+def _layout(nodes: list[int]) -> tuple[int, int, int]:
+    """(sequences, tokens verified, padded tokens) of a verify pass with these draft nodes per
+    sequence, counted as NativeEngine._verify counts them."""
+    return len(nodes), sum(n + 1 for n in nodes), len(nodes) * (max(nodes) + 1)
+
+
+def test_anchors_price_the_budgets_the_engine_did_not_run():
+    """The engine's own steps at batch 4 all verify 0 or 1 node per sequence (as a young
+    `auto` does): on them alone the fit cannot tell per-token from per-padding cost, and
+    misprices four nodes per sequence. Anchors (verify passes of set layouts, 4 ms cheaper
+    than a whole step: no drafting or planning in them) make it right."""
+    def true_seconds(seqs, tokens, padded, ctx):
+        return 0.030 + 0.002 * seqs + 0.0015 * tokens + 0.0006 * padded + 0.002 * ctx / 1000
+
+    def steps(cost):
+        rng = random.Random(3)
+        for _ in range(400):
+            seqs, tokens, padded = _layout([rng.choice((0, 1))] * 4)
+            ctx = rng.randint(400, 2000)
+            cost.add(true_seconds(seqs, tokens, padded, ctx) + rng.gauss(0, 2e-4), seqs, tokens, padded, ctx)
+
+    alone, anchored = StepCost(), StepCost()
+    for batch in (1, 2, 4, 8, 16):
+        for ctx in (600, 2000):
+            for nodes in ((0,), (1,), (2,), (4,), (1, 0), (4, 0, 0, 0), (8, 0, 0, 0), (0, 1, 2, 4)):
+                seqs, tokens, padded = _layout([nodes[i % len(nodes)] for i in range(batch)])
+                anchored.add_anchor(true_seconds(seqs, tokens, padded, ctx) - 0.004, seqs, tokens, padded, ctx)
+    steps(alone)
+    steps(anchored)
+    for nodes in ([4] * 4, [8, 0, 0, 0], [2, 2, 0, 0], [1] * 4):
+        seqs, tokens, padded = _layout(nodes)
+        truth = true_seconds(seqs, tokens, padded, 1200)
+        assert anchored.seconds(seqs, tokens, padded, 1200) == pytest.approx(truth, rel=0.02), nodes
+    seqs, tokens, padded = _layout([8, 0, 0, 0])
+    assert abs(alone.seconds(seqs, tokens, padded, 1200) / true_seconds(seqs, tokens, padded, 1200) - 1) > 0.05, \
+        "the steps alone priced a layout they never ran: the anchors prove nothing here"
+
+
+def test_anchors_count_less_the_further_their_batch_size():
+    """Anchors at batch 16 that cost twice what batch 4's say move batch 4's prices little."""
+    def true_seconds(seqs, tokens):
+        return 0.020 + 0.002 * seqs + 0.001 * tokens
+
+    def anchors(cost, batch, scale):
+        for ctx in (500, 2000):
+            for nodes in ((0,), (1,), (2,), (4,), (1, 0), (4, 0, 0, 0)):
+                seqs, tokens, padded = _layout([nodes[i % len(nodes)] for i in range(batch)])
+                cost.add_anchor(scale * true_seconds(seqs, tokens), seqs, tokens, padded, ctx)
+
+    near, both = StepCost(), StepCost()
+    anchors(near, 4, 1.0)
+    anchors(both, 4, 1.0)
+    anchors(both, 16, 2.0)
+    for cost in (near, both):  # the engine's own steps: no draft, or a node per sequence
+        for i in range(50):
+            seqs, tokens, padded = _layout([i % 2] * 4)
+            cost.add(true_seconds(seqs, tokens), seqs, tokens, padded, 1000)
+    seqs, tokens, padded = _layout([2] * 4)
+    assert near.seconds(seqs, tokens, padded, 1000) == pytest.approx(true_seconds(seqs, tokens), rel=0.02)
+    assert both.seconds(seqs, tokens, padded, 1000) == pytest.approx(true_seconds(seqs, tokens), rel=0.03)
+
+
 # ----------------------------------------------------------------------------------- the engine
 @pytest.fixture(scope="module")
 def target():
@@ -198,10 +260,27 @@ def _hold_step_cost(engine: NativeEngine, per_token_s: float) -> None:
     """Fix `auto`'s step-cost model at a 40 ms step plus `per_token_s` seconds per verified
     token, so which nodes pay does not depend on how fast this machine runs the tiny model
     (a noisy fit on a loaded machine can make every node look too dear)."""
-    theta = np.zeros_like(engine.budget.cost.theta)  # [base, per sequence, per token, ...]
+    theta = np.zeros_like(engine.budget.cost.prior)  # [base, per sequence, per token, ...]
     theta[0], theta[2] = 0.040, per_token_s
-    engine.budget.cost.theta = theta
-    engine.budget.cost.add = lambda *args: None
+    engine.budget.cost.coefficients = lambda seqs: theta
+
+
+def test_calibration_times_every_layout_and_leaves_the_engine_as_it_was(target):
+    """calibrate_step_cost gives the fit one anchor per (batch size, prompt length, layout,
+    repeat), records no step, holds no request, and what the engine generates after it is
+    what a fresh engine generates."""
+    from native_engine.engine import CALIBRATION_LAYOUTS, CALIBRATION_REPEATS
+
+    prompts = _prompts(3, seed=5)
+    fresh = _engine(target, "auto").generate(prompts, SamplingParams(max_tokens=30))
+    engine = _engine(target, "auto")
+    engine.calibrate_step_cost(prompt_lengths=(40, 100))
+    assert engine.budget.cost.anchors == 4 * 2 * len(CALIBRATION_LAYOUTS) * CALIBRATION_REPEATS  # batches 1, 2, 4, 6
+    assert engine.budget.cost.samples == 0 and not engine.drain().steps and not engine.has_unfinished()
+    assert engine.generate(prompts, SamplingParams(max_tokens=30)) == fresh
+    with pytest.raises(RuntimeError, match="before the engine takes requests"):
+        engine.add_request("late", prompts[0])
+        engine.calibrate_step_cost()
 
 
 def test_the_node_budget_is_respected_and_recorded_exactly(target):
