@@ -135,7 +135,10 @@ class Calibration:
 
 
 COST_KNOTS = (8, 32, 128)  # tokens per step where the marginal cost of a token may change
-NEAR_BEST = 0.03  # a budget this close to the best predicted rate counts as a tie
+# A budget this close to the best predicted rate counts as a tie. 3% before: at batch 1, where
+# a node costs about 1 ms of a 21 ms step, it left a fifth of the acceptable draft tokens
+# unverified (docs/benchmarks.md, Near-ties).
+NEAR_BEST = 0.01
 # The caps on nodes per sequence best_selection tries (besides no cap): every small one, then
 # a few larger, so a 64-node offer costs about a dozen evaluations, not 64.
 PER_SEQUENCE_CAPS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
@@ -245,8 +248,7 @@ def best_budget(sorted_p: list[float], seqs: int, step_seconds: np.ndarray) -> i
     """The smallest B in 0..len(step_seconds) - 1 whose predicted tokens per second,
     (seqs + sum(sorted_p[:B])) / step_seconds[B] when the B most likely nodes are verified,
     is within NEAR_BEST of the best (sorted_p descending, at least len(step_seconds) - 1 of
-    them). Near-ties go to fewer nodes: the marginal ones are the likeliest to be overrated
-    (they were kept for looking good) and a step's cost is certain where its gain is not."""
+    them). Near-ties go to fewer nodes: a step's cost is certain where its gain is not."""
     gained = seqs + np.concatenate([[0.0], np.cumsum(sorted_p[: len(step_seconds) - 1])])
     rate = gained / np.maximum(step_seconds, 1e-9)
     return int(np.argmax(rate >= (1.0 - NEAR_BEST) * rate.max()))
