@@ -68,14 +68,18 @@ DEPTH_EDGES = (2, 4)  # depth groups 1, 2-3, 4+: once a copy is on track it tend
 # What the sequence's previous budgeted step did: verified nothing, stopped short of its
 # tree's depth, or accepted as deep as its tree went (a copy in progress usually goes on).
 LAST_NONE, LAST_SHORT, LAST_ALL = 0, 1, 2
-MAX_EDGE = 0.98  # edge estimates stay below 1, so a child always ranks below its parent
+# Edge estimates stay below 1, so a child always ranks below its parent; and at most 0.9 with
+# the sequence factor at most 1 (0.98 and 1.2 before): a copied run's deep chain, every edge
+# near the cap, was overrated (nodes estimated 0.8-1.0 accepted 58-60% at batch 4), and its
+# row made every row of the step long. Side by side: docs/benchmarks.md, Edge and factor caps.
+MAX_EDGE = 0.9
 MIN_P = 1e-3  # nodes less likely than this are never verified
 PRIOR_RATE = 0.4  # calibrated edge rate where nothing was measured
 PRIOR_WEIGHT = 2.0  # the prior counts as this many reached candidates
 CALIBRATION_DECAY = 0.999  # per budgeted step: the calibration remembers a few thousand steps
 SEQUENCE_PRIOR = 2.0  # the sequence factor's prior, in expected accepted tokens
 SEQUENCE_DECAY = 0.8  # per offer of the sequence resolved in hindsight
-MAX_FACTOR = 1.2  # the sequence factor's ceiling
+MAX_FACTOR = 1.0  # the sequence factor's ceiling: its record can lower a sequence's estimates, not raise them
 BIAS_PRIOR = 10.0  # the bias correction's prior, in tokens (predicted = accepted)
 BIAS_DECAY = 0.99  # per budgeted step
 # Every EXPLORE_EVERY budgeted steps the engine verifies twice the chosen nodes plus one per
