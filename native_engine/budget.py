@@ -141,7 +141,7 @@ class Calibration:
 COST_KNOTS = (8, 32, 128)  # tokens per step where the marginal cost of a token may change
 # A budget this close to the best predicted rate counts as a tie. 3% before: at batch 1, where
 # a node costs about 1 ms of a 21 ms step, it left a fifth of the acceptable draft tokens
-# unverified (docs/benchmarks.md, Near-ties).
+# unverified (docs/benchmarks.md, The anchored step cost in the engine).
 NEAR_BEST = 0.01
 # The caps on nodes per sequence best_selection tries (besides no cap): every small one, then
 # a few larger, so a 64-node offer costs about a dozen evaluations, not 64.
