@@ -176,12 +176,11 @@ class StepCost:
       where it cost 3.1 (docs/native-engine.md, Anchored step cost). An anchor times the
       verify pass only, not the drafting and planning around it: a column of its own (zero
       when predicting) takes that difference up, the engine's steps pinning the level
-      and the anchors the slopes. One linear
-      model does not fit every batch size alike (the marginal node at batch 1 costs a
-      fraction of what the global fit says), so the fit is solved per batch size, an
-      anchor counting ANCHOR_SPREAD times less per doubling between its batch size and
-      the one predicted.
-    The prior (`prior`, coefficients) fades like a step of the first age."""
+      and the anchors the slopes. One linear model does not fit every batch size alike
+      (the marginal node at batch 1 costs a fraction of what the global fit says), so the
+      fit is solved per batch size, an anchor counting ANCHOR_SPREAD times less per
+      doubling between its batch size and the one predicted.
+    The prior (`prior`, the initial coefficients) fades like the oldest step."""
 
     forgetting: float = 0.99
     prior: np.ndarray = field(default_factory=lambda: np.array(

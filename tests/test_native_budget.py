@@ -279,8 +279,8 @@ def test_calibration_times_every_layout_and_leaves_the_engine_as_it_was(target):
     assert engine.budget.cost.anchors == 4 * 2 * len(CALIBRATION_LAYOUTS) * CALIBRATION_REPEATS  # batches 1, 2, 4, 6
     assert engine.budget.cost.samples == 0 and not engine.drain().steps and not engine.has_unfinished()
     assert engine.generate(prompts, SamplingParams(max_tokens=30)) == fresh
+    engine.add_request("late", prompts[0])
     with pytest.raises(RuntimeError, match="before the engine takes requests"):
-        engine.add_request("late", prompts[0])
         engine.calibrate_step_cost()
 
 
