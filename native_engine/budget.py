@@ -193,6 +193,9 @@ class StepCost:
         self._recent = (PRIOR_PRECISION * np.eye(n), PRIOR_PRECISION * self.prior)  # decayed X'WX, X'Wy
         self._anchored: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # batch size -> X'X, X'y of its anchors
         self._solved: dict[int, np.ndarray] = {}  # batch size -> coefficients, until the next pass added
+        # Every anchor as added, (seconds, seqs, tokens, padded_tokens, context_tokens): what
+        # NativeEngine.load_or_calibrate_step_cost caches for the next engine of the same layout.
+        self.anchor_passes: list[tuple[float, int, int, int, int]] = []
 
     @staticmethod
     def features(seqs, tokens, padded_tokens, context_tokens: int, anchor: bool = False) -> np.ndarray:
@@ -221,6 +224,7 @@ class StepCost:
         a, b = self._anchored.get(seqs, (np.zeros((n, n)), np.zeros(n)))
         self._anchored[seqs] = (a + np.outer(x, x), b + duration_s * x)
         self.anchors += 1
+        self.anchor_passes.append((duration_s, seqs, tokens, padded_tokens, context_tokens))
         self._solved.clear()
 
     def coefficients(self, seqs: int) -> np.ndarray:

@@ -37,6 +37,7 @@ import torch
 from adaspec.engine_contract import EngineReport, PolicySlot
 from adaspec.policy import PolicyAck, PolicyError, SpecConfig, SpecPolicy
 from adaspec.telemetry import EngineCapabilities, RequestLifetimes, StepRecord
+from native_engine import linear_choice
 from native_engine.budget import BudgetPlan, BudgetPlanner
 from native_engine.drafters import Drafter, NgramDrafter
 from native_engine.kv_cache import KVCache
@@ -58,6 +59,9 @@ PACK_BELOW = 0.75
 CALIBRATION_LAYOUTS = ((0,), (1,), (2,), (4,), (1, 0), (2, 0), (4, 0, 0, 0), (8, 0, 0, 0), (0, 1, 2, 4))
 CALIBRATION_REPEATS = 2
 CALIBRATION_PROMPTS = (150, 500)
+# load_or_calibrate_step_cost: the timed passes, per machine, model and engine layout, in
+# $ADASPEC_CACHE_DIR/step-cost.json (native_engine/linear_choice.py's cache).
+STEP_COST_CACHE = "step-cost.json"
 
 
 @dataclass(frozen=True)
@@ -234,6 +238,37 @@ class NativeEngine:
                             self.budget.cost.add_anchor(time.perf_counter() - t0, len(decode), verified, padded,
                                                         context)
         return time.perf_counter() - start
+
+    def load_or_calibrate_step_cost(self) -> tuple[float, bool]:
+        """calibrate_step_cost at the default batch sizes and prompt lengths, once per machine,
+        model and engine layout: the timed passes are cached (STEP_COST_CACHE), and a later
+        engine with the same key - a replica restarted or replaced, another replica of the
+        deployment on the same machine - takes them as its anchors instead of timing them
+        again (20-80 s per replica start on 2 CPU cores). Returns (seconds, loaded from the cache).
+        Delete the cache file to measure again (after a driver or BIOS change, say)."""
+        start = time.perf_counter()
+        key = self.step_cost_key()
+        known = linear_choice.read_cached(STEP_COST_CACHE, key)
+        if known is not None:
+            for timed in known["passes"]:
+                self.budget.cost.add_anchor(*timed)
+            return time.perf_counter() - start, True
+        seconds = self.calibrate_step_cost()
+        linear_choice.write_cached(STEP_COST_CACHE, key, {"passes": self.budget.cost.anchor_passes})
+        return seconds, False
+
+    def step_cost_key(self) -> str:
+        """What a verify pass's time depends on: the machine and the torch threads of the
+        calling thread, the model's shape and dtype, the cache layout, the matmul and
+        attention paths, whether the one-token pass is compiled, and the calibration itself."""
+        model = self.model
+        device = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else str(self.device)
+        return "|".join([
+            linear_choice.machine_key(), device, linear_choice.model_key(model.args, model.lm_head.weight.dtype),
+            f"rows={self.config.max_batch_size},positions={self.config.max_seq_len},tree={self.config.max_tree_nodes}",
+            f"matmuls={model.linear_choice},kernel={model.uses_decode_kernel()},compiled={model.compiled_decode is not None}",
+            f"layouts={CALIBRATION_LAYOUTS},repeats={CALIBRATION_REPEATS},prompts={CALIBRATION_PROMPTS}",
+        ])
 
     @property
     def max_depth(self) -> int:

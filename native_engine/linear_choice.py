@@ -136,7 +136,7 @@ def write_cached(name: str, key: str, entry: dict) -> None:
     entries[key] = {**entry, "measured_at": time.time()}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # replicas starting together write apart
         tmp.write_text(json.dumps(entries, indent=1))
         tmp.replace(path)
     except OSError:

@@ -119,8 +119,10 @@ class AdaspecNativeEngine(LLMEngine):
                                    f"{str(e)[:500]}); set compile_decode: false to serve eagerly") from e
             logger.info("adaspec: decode pass compiled in %.0f s", seconds)
         if self._caps.supports_budgets:  # the controller may choose per-request budgets at any time
-            seconds = await asyncio.wrap_future(self._loop.call(lambda e: e.calibrate_step_cost()))
-            logger.info("adaspec: per-request budgets' step cost calibrated in %.1f s", seconds)
+            # On the engine thread: the cache key holds its torch threads.
+            seconds, loaded = await asyncio.wrap_future(self._loop.call(lambda e: e.load_or_calibrate_step_cost()))
+            logger.info("adaspec: per-request budgets' step cost %s in %.1f s",
+                        "loaded from the cache" if loaded else "calibrated", seconds)
         dtype = str(engine.model.lm_head.weight.dtype).removeprefix("torch.")
         logger.info("adaspec: native engine started: %s, %s drafter (max depth %d), %d rows x %d tokens, policy %s, "
                     "matmuls: %s, decode attention: %s", dtype, self._caps.draft_method, self._caps.max_k,

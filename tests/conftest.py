@@ -119,7 +119,9 @@ def app_on_cluster(cluster: LoopbackCluster, config: Path, url: str, workdir: Pa
     (`proc.all_ready_s`); stopped afterwards, and every vLLM engine process the app started on
     the cluster's nodes must end with it."""
     log = workdir / "serve.log"
-    proc = ServeProcess(config, url, log, env=cluster.join_env())
+    # Every replica's log line in the log, under its own replica id: Ray's driver would merge
+    # lines that differ only in words with digits, ids included, printed within seconds.
+    proc = ServeProcess(config, url, log, env={**cluster.join_env(), "RAY_DEDUP_LOGS": "0"})
     start = time.monotonic()
     proc.start()
     try:

@@ -133,6 +133,10 @@ def test_killed_replica_loses_no_waiting_request_and_its_replacement_starts_warm
     assert load.counts["cut"] == 0, load.examples  # a stream cut mid-way ends with an error event
     assert load.counts["refused"] + load.counts["error_event"] <= 4, load.counts
     assert new.started_warm and new.seconds_to_first_decision <= 2.0
+    # Its engine took the step-cost calibration the replicas before it cached (same machine,
+    # same layout: NativeEngine.load_or_calibrate_step_cost) instead of timing it again.
+    loaded = f"{new.replica_id} -- adaspec: per-request budgets' step cost loaded from the cache"
+    assert loaded in app.log_path.read_text(errors="replace"), app.log_tail()
     # Ray's word that the actor died, not the silence timeout (60 s here), within about two
     # control periods (1 s) of silence: measured 1.9 s after its last report, 2.6 s after
     # ray.kill was called (Ray takes a while to end the actor).

@@ -284,6 +284,26 @@ def test_calibration_times_every_layout_and_leaves_the_engine_as_it_was(target):
         engine.calibrate_step_cost()
 
 
+def test_a_second_engine_of_the_same_layout_loads_the_calibration(target, tmp_path, monkeypatch):
+    """load_or_calibrate_step_cost times the passes once per key: the next engine of the same
+    layout takes the cached passes (the same fit at every batch size, nothing timed), one of
+    another layout times its own."""
+    monkeypatch.setenv("ADASPEC_CACHE_DIR", str(tmp_path))
+    first = _engine(target, "auto", batch=4)
+    _, loaded = first.load_or_calibrate_step_cost()
+    assert not loaded and first.budget.cost.anchors > 0
+    again = _engine(target, "auto", batch=4)
+    _, loaded = again.load_or_calibrate_step_cost()
+    assert loaded and again.budget.cost.anchor_passes == first.budget.cost.anchor_passes
+    for seqs in (1, 2, 3, 4):
+        assert np.allclose(again.budget.cost.coefficients(seqs), first.budget.cost.coefficients(seqs))
+    assert again.step_cost_key() == first.step_cost_key()
+    other = _engine(target, "auto", batch=2)
+    assert other.step_cost_key() != first.step_cost_key()
+    _, loaded = other.load_or_calibrate_step_cost()
+    assert not loaded and {p[1] for p in other.budget.cost.anchor_passes} == {1, 2}
+
+
 def test_the_node_budget_is_respected_and_recorded_exactly(target):
     engine = _engine(target, "budget5")
     engine.generate(_prompts(6), SamplingParams(max_tokens=60))
