@@ -64,7 +64,11 @@ from native_engine.verify import Acceptance
 CONFIDENCE_EDGES = (0.25, 0.5, 0.75, 0.999)  # confidence bins; the last holds certain edges (1.0)
 MATCH_KEYS = 5  # drafter keys 0..4: 0 = a draft model, else the n-gram match length (4 = 4+)
 SAMPLING_CLASSES = 3  # greedy, temperature <= 0.5, hotter
-DEPTH_EDGES = (2, 4)  # depth groups 1, 2-3, 4+: once a copy is on track it tends to stay on it
+# Depth groups 1, 2, 3, 4-5, 6-7, 8-11, 12+ (1, 2-3, 4+ before): a copy on track tends to stay
+# on it, but not equally at every depth, and one rate for every depth from 4 overrated the deep
+# chains `auto` kept. Side by side, 2 rounds: auto / best static +0.2 to +10% in 5 of 6
+# (batch, round) cells at batch 1, 4 and 16, -0.2% in the sixth (docs/benchmarks.md, Depth groups).
+DEPTH_EDGES = (2, 3, 4, 6, 8, 12)
 # What the sequence's previous budgeted step did: verified nothing, stopped short of its
 # tree's depth, or accepted as deep as its tree went (a copy in progress usually goes on).
 LAST_NONE, LAST_SHORT, LAST_ALL = 0, 1, 2

@@ -8,6 +8,7 @@ bench's requests (bench/native_budget.py: mixed, half sampled, real stopping, bf
 variant calibrates its step cost and serves the train-split warm-up under its own settings;
 rounds interleave every cell in a rotated order. Prints decode tok/s per run and, per round,
 each variant over the round's best static."""
+import ast
 import sys
 
 import torch
@@ -31,7 +32,7 @@ def apply(variant: str) -> None:
     if variant != "base":
         for kv in variant.split("+"):
             name, value = kv.split("=")
-            setattr(budget, name, type(DEFAULTS[name])(value))
+            setattr(budget, name, ast.literal_eval(value))  # numbers and tuples, e.g. DEPTH_EDGES=(2,4,8)
 
 
 folder = Path(resolve_model(MODEL, prepare=False))
