@@ -190,7 +190,6 @@ class StepCost:
     prior: np.ndarray = field(default_factory=lambda: np.array(
         [0.02, 0.002, 0.001] + [0.002] * len(COST_KNOTS) + [0.0005, 0.001, 0.0, 0.0]))
     samples: int = 0  # decode steps added
-    anchors: int = 0  # anchor passes added
 
     def __post_init__(self) -> None:
         n = len(self.prior)
@@ -200,6 +199,11 @@ class StepCost:
         # Every anchor as added, (seconds, seqs, tokens, padded_tokens, context_tokens): what
         # NativeEngine.load_or_calibrate_step_cost caches for the next engine of the same layout.
         self.anchor_passes: list[tuple[float, int, int, int, int]] = []
+
+    @property
+    def anchors(self) -> int:
+        """Anchor passes added."""
+        return len(self.anchor_passes)
 
     @staticmethod
     def features(seqs, tokens, padded_tokens, context_tokens: int, anchor: bool = False) -> np.ndarray:
@@ -227,7 +231,6 @@ class StepCost:
         n = len(self.prior)
         a, b = self._anchored.get(seqs, (np.zeros((n, n)), np.zeros(n)))
         self._anchored[seqs] = (a + np.outer(x, x), b + duration_s * x)
-        self.anchors += 1
         self.anchor_passes.append((duration_s, seqs, tokens, padded_tokens, context_tokens))
         self._solved.clear()
 
