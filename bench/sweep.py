@@ -9,8 +9,8 @@
    checkpoint folder, so no earlier run's models leak in).
 2. Round after round; in each, for each rate and dataset, each policy in an interleaved
    order (bench/policies.py): static policies are pushed through POST /admin/policy with the
-   controller paused; `adaptive` resets the replicas to the config's start policy and
-   resumes the controller. In a round every policy sees the same prompts, arrival times and
+   controller paused; `adaptive` resets the replicas to the config's start policy, resumes
+   the controller and sends its load once every replica runs the controller's policy. In a round every policy sees the same prompts, arrival times and
    sampling (realistic by default, bench/client.RequestMix); each round draws new ones.
 3. Optionally the phase-change trace (bench/phase.py) and the cross-check against vLLM's
    own benchmark client (bench/cross_check.py), on the same engine.
@@ -97,15 +97,49 @@ def prepare_config(config: Path, out: Path, max_k: int, profile: str | None) -> 
     return path, url, str(spec.get("policy", "chain4")), notes
 
 
+# How long `adaptive` may take to put its policy in force after a resume: it comes with the
+# controller's reply to each replica's next report (controller.period_s, 1 s by default).
+CONTROLLER_POLICY_WAIT_S = 15.0
+
+
 def apply_policy(url: str, policy: NamedPolicy, start_table: str) -> None:
-    """Pause the controller and push a static table, or reset and resume for `adaspec`."""
+    """Pause the controller and push a static table; or, for `adaptive`, reset the replicas
+    to the start table, resume, and return once every replica runs the controller's policy.
+
+    Waiting for it: a static cell's load starts under its own table, and so does adaptive's.
+    Without the wait the start table ran a burst's first steps, each seconds long at batch 32:
+    in the sweep of docs/benchmarks.md, "Where the burst's last percent went", the rounds
+    whose adaptive burst began with one or two chain4 steps at batch 32 were 1.6% and 3.3%
+    slower than `off`, the round that began under the controller's table 0.3%."""
     if policy.adaptive:
         admin_client.controller_action(url, "pause")
         _push(url, start_table)
         admin_client.controller_action(url, "resume")
+        wait_for_controller_policy(url)
     else:
         admin_client.controller_action(url, "pause")
         _push(url, policy.table)
+
+
+def wait_for_controller_policy(url: str, timeout_s: float = CONTROLLER_POLICY_WAIT_S) -> float:
+    """Seconds until every replica the controller knows runs the policy it chose for it,
+    as a report sent after this call began says (the view's `policy_in_force` equal to
+    `chosen_policy`: a report from before may still show the previous cell's policy);
+    0 without a controller. Raises AdminError after `timeout_s`."""
+    start = time.monotonic()
+    while True:
+        view = admin_client.controller_view(url)
+        waited = time.monotonic() - start
+        if view is None:
+            return 0.0
+        if view.replicas and all(r.seconds_since_report < waited and r.chosen_policy is not None
+                                 and r.policy_in_force == r.chosen_policy for r in view.replicas):
+            return waited
+        if waited > timeout_s:
+            behind = [f"{r.replica_id}: runs {r.policy_in_force}, chosen {r.chosen_policy}" for r in view.replicas]
+            raise admin_client.AdminError(f"the controller's policy not in force after {timeout_s:.0f} s "
+                                          f"({'; '.join(behind) or 'no replica reported'})")
+        time.sleep(0.2)
 
 
 def _push(url: str, table: str) -> None:

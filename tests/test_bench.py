@@ -462,6 +462,34 @@ def test_adaspec_profile_against_the_server(server, client, tmp_path):
         set_controller(client, "pause" if was_paused else "resume")
 
 
+@pytest.mark.slow
+def test_a_sweeps_adaptive_cell_starts_under_the_controllers_policy(server, client):
+    """`adaspec sweep` resets the replicas to the start table before an adaptive cell; its
+    load starts only once the controller's own policy is in force, as a static cell's starts
+    under its table (the start table ran a burst's first steps before: docs/benchmarks.md)."""
+    from bench.policies import resolve
+    from bench.sweep import apply_policy
+    from serve_app import admin_client
+    from tests.conftest import policy_of, replica_status, set_controller
+
+    was_paused = client.get("/admin/controller").json()["paused"]
+    # Never the controller's: its tables change config only between its batch buckets (1, 2,
+    # 3-4, 5-8, ...), and this one changes at 5 | 6.
+    start_table = "1-5:chain3,6+:chain2"
+    try:
+        static, adaptive = resolve(["chain1", "adaptive"], None)
+        apply_policy(server.url, static, start_table)
+        assert str(policy_of(replica_status(client)[0])) == "1+:chain1"
+        apply_policy(server.url, adaptive, start_table)
+        in_force = str(policy_of(replica_status(client)[0]))
+        view = admin_client.controller_view(server.url)
+        assert not view.paused
+        assert [r.policy_in_force for r in view.replicas] == [r.chosen_policy for r in view.replicas] == [in_force]
+        assert in_force != start_table
+    finally:
+        set_controller(client, "pause" if was_paused else "resume")
+
+
 def test_summary_fits_one_screen_with_and_without_adaspec_telemetry():
     from bench.harness import BenchResult, BenchSettings, format_summary
     from bench.replica_probe import TelemetryTrace
