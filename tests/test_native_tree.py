@@ -98,8 +98,9 @@ def test_top_p_keeps_the_nucleus():
     assert torch.allclose(probs, torch.tensor([[0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0]]), atol=1e-6)
 
 
-@pytest.mark.parametrize("scale", [8.0, 0.5])  # a peaked row (nucleus within the top k) and a flat one
-def test_top_p_on_a_large_vocabulary_equals_the_nucleus_of_a_full_sort(scale):
+# Rows whose nucleus fits the first top-k (64), the second (1024), and none (a full sort).
+@pytest.mark.parametrize("scale, nucleus", [(6.0, (1, 64)), (2.8, (65, 1024)), (0.5, (1025, 49152))])
+def test_top_p_on_a_large_vocabulary_equals_the_nucleus_of_a_full_sort(scale, nucleus):
     logits = torch.randn(3, 49152, generator=torch.Generator().manual_seed(0)) * scale
     probs = probs_from_logits(logits, 0.7, top_p=0.9)
     full = torch.softmax(logits / 0.7, dim=-1)
@@ -109,8 +110,8 @@ def test_top_p_on_a_large_vocabulary_equals_the_nucleus_of_a_full_sort(scale):
     expected = expected / expected.sum(-1, keepdim=True)
     assert torch.allclose(probs, expected, atol=1e-7)
     kept = (probs > 0).sum(-1)
-    # The peaked rows' nucleus fits the top-k path; the flat rows' needs the full sort.
-    assert bool((kept < NUCLEUS_TOP_K).all()) if scale > 1 else bool((kept > NUCLEUS_TOP_K).all())
+    assert bool(((kept >= nucleus[0]) & (kept <= nucleus[1])).all()), kept
+    assert nucleus[1] in NUCLEUS_TOP_K + (49152,)
 
 
 def _two_level_tree():
