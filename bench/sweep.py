@@ -10,8 +10,9 @@
 2. Round after round; in each, for each rate and dataset, each policy in an interleaved
    order (bench/policies.py): static policies are pushed through POST /admin/policy with the
    controller paused; `adaptive` resets the replicas to the config's start policy, resumes
-   the controller and sends its load once every replica runs the controller's policy. In a round every policy sees the same prompts, arrival times and
-   sampling (realistic by default, bench/client.RequestMix); each round draws new ones.
+   the controller and sends its load once every replica runs the controller's policy. In a
+   round every policy sees the same prompts, arrival times and sampling (realistic by
+   default, bench/client.RequestMix); each round draws new ones.
 3. Optionally the phase-change trace (bench/phase.py) and the cross-check against vLLM's
    own benchmark client (bench/cross_check.py), on the same engine.
 4. DIR/results.json after every run (a partial sweep is still readable), then

@@ -85,14 +85,11 @@ def probs_from_logits(logits: torch.Tensor, temperature: float, top_p: float = 1
     probs = torch.softmax(logits.float() / max(temperature, 1e-6), dim=-1)
     if top_p < 1.0:
         for k in NUCLEUS_TOP_K:
-            if k >= probs.shape[-1]:
-                break
-            sorted_p, order = probs.topk(k, dim=-1)  # sorted, largest first
-            if not bool((sorted_p.sum(-1) < top_p).any()):
-                break
+            if k < probs.shape[-1]:
+                sorted_p, order = probs.topk(k, dim=-1)  # sorted, largest first
+                if bool((sorted_p.sum(-1) >= top_p).all()):
+                    break
         else:
-            k = probs.shape[-1]
-        if k >= probs.shape[-1]:
             sorted_p, order = probs.sort(dim=-1, descending=True)
         drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p  # mass before this token already >= top_p
         sorted_p = sorted_p.masked_fill(drop, 0.0)
