@@ -19,6 +19,7 @@ torch's attention and matmuls.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 from pathlib import Path
 
@@ -29,6 +30,12 @@ logger = logging.getLogger(__name__)
 # Each source stands alone (its few AVX2 helpers included): the builder rebuilds when a
 # listed source changes, not when a header one of them includes does.
 SOURCES = sorted((Path(__file__).with_name("csrc")).glob("*.cpp"))
+
+
+@functools.cache
+def sources_digest() -> str:
+    """A short hash of the kernels' sources: timings measured with other kernels are not reused."""
+    return hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES)).hexdigest()[:12]
 
 
 @functools.cache

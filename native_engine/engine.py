@@ -37,7 +37,7 @@ import torch
 from adaspec.engine_contract import EngineReport, PolicySlot
 from adaspec.policy import PolicyAck, PolicyError, SpecConfig, SpecPolicy
 from adaspec.telemetry import EngineCapabilities, RequestLifetimes, StepRecord
-from native_engine import linear_choice
+from native_engine import cpu_kernels, linear_choice
 from native_engine.budget import BudgetPlan, BudgetPlanner
 from native_engine.drafters import Drafter, NgramDrafter
 from native_engine.kv_cache import KVCache
@@ -260,13 +260,15 @@ class NativeEngine:
     def step_cost_key(self) -> str:
         """What a verify pass's time depends on: the machine and the torch threads of the
         calling thread, the model's shape and dtype, the cache layout, the matmul and
-        attention paths, whether the one-token pass is compiled, and the calibration itself."""
+        attention paths and the kernels' sources, whether the one-token pass is compiled, and
+        the calibration itself."""
         model = self.model
         device = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else str(self.device)
         return "|".join([
             linear_choice.machine_key(), device, linear_choice.model_key(model.args, model.lm_head.weight.dtype),
             f"rows={self.config.max_batch_size},positions={self.config.max_seq_len},tree={self.config.max_tree_nodes}",
             f"matmuls={model.linear_choice},kernel={model.uses_decode_kernel()},compiled={model.compiled_decode is not None}",
+            f"kernel_sources={cpu_kernels.sources_digest()}",
             f"layouts={CALIBRATION_LAYOUTS},repeats={CALIBRATION_REPEATS},prompts={CALIBRATION_PROMPTS}",
         ])
 

@@ -179,21 +179,21 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packed: Packing | None = None
                 ) -> torch.Tensor:
-        """x [B, T, D] ([1, N, D] when `packed`); cos/sin [B, T, 1, Dh]. The cache, its write
-        positions and the mask come from the forward in progress (`ForwardInputs`)."""
+        """x [B, T, D] ([1, N, D] when `packed`); cos/sin [B, T, 1, Dh] ([1, N, 1, Dh]). The
+        cache, its write positions and the mask come from the forward in progress (`ForwardInputs`)."""
         a = self.args
         if self.qkv_proj is not None:
             qkv = self.qkv_proj(x)
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        if packed is not None:  # attention needs each sequence's tokens in its own row: one scatter
-            qkv = packed.unpack(qkv)
         B, T, _ = qkv.shape
         # RoPE on q and k together: they sit side by side in the fused output.
         qk, v = qkv.split([(a.n_heads + a.n_kv_heads) * a.head_dim, a.n_kv_heads * a.head_dim], dim=-1)
         q, k = apply_rope(qk.view(B, T, a.n_heads + a.n_kv_heads, a.head_dim), cos, sin).split(
             [a.n_heads, a.n_kv_heads], dim=2)
         v = v.view(B, T, a.n_kv_heads, a.head_dim)
+        if packed is not None:  # attention needs each sequence's tokens in its own row, after RoPE on the real ones
+            q, k, v = packed.unpack(q), packed.unpack(k), packed.unpack(v)
         # Traced by torch.compile, the cache write and attention are one opaque op: what varies
         # per step (key length, mask, rows) stays out of the compiled graph.
         attention = _cached_attention_op if torch.compiler.is_compiling() else cached_attention
@@ -528,8 +528,8 @@ class Transformer(nn.Module):
     def decoder(self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packed: Packing | None = None
                 ) -> torch.Tensor:
         """Embeddings, layers and final norm of `forward` (its attention inputs already set)."""
-        if packed is not None:
-            tokens = packed.pack(tokens)
+        if packed is not None:  # RoPE too runs on the real tokens only (per element: the same values)
+            tokens, cos, sin = packed.pack(tokens), packed.pack(cos), packed.pack(sin)
         x = self.model.embed_tokens(tokens)
         for layer in self.model.layers:
             x = layer(x, cos, sin, packed)

@@ -58,7 +58,8 @@ def test_the_kernel_matches_torch_attention(H, Hkv, Dh):
 
 def _tree_case(B: int, T: int, S: int, seed: int):
     """A verify pass: per sequence a random tree of up to T - 1 nodes (the rest pads) after a
-    prefix of 1..S - T keys, the pass's bool mask [B, 1, T, S] (native_engine.tree)."""
+    prefix of 1..S - T keys. Returns the pass's bool mask [B, 1, T, S] (native_engine.tree)
+    and the real tokens per sequence (root and nodes; the rest are pads)."""
     gen = torch.Generator().manual_seed(seed)
     trees = []
     for b in range(B):
@@ -69,15 +70,17 @@ def _tree_case(B: int, T: int, S: int, seed: int):
     lengths[0] = S - T
     _, _, _, block = batch_tree_inputs(trees, [0] * B, lengths.tolist())
     # Pads see only themselves, as in the engine's verify pass: their queries start late.
-    return attention_mask(block, lengths, S, [len(t) + 1 for t in trees])
+    real = [len(t) + 1 for t in trees]
+    return attention_mask(block, lengths, S, real), real
 
 
 @pytest.mark.parametrize("H,Hkv,Dh,T", [(9, 3, 64, 5), (4, 4, 16, 2), (14, 2, 64, 9), (8, 2, 128, 3)])
 def test_the_tree_kernel_matches_torch_attention_under_the_tree_mask(H, Hkv, Dh, T):
     """Uneven prefixes and trees, pad rows, keys as strided views of a cache: as torch's
-    attention over all S keys under the pass's mask; each sequence reads only its own keys."""
+    attention over all S keys under the pass's mask; each sequence reads only its own keys.
+    Pads (the engine drops their outputs) are not attended: zeros."""
     B, S = 6, 160
-    mask = _tree_case(B, T, S, seed=T)
+    mask, real = _tree_case(B, T, S, seed=T)
     gen = torch.Generator().manual_seed(H)
     cache = torch.randn(2, B + 1, Hkv, S + 11, Dh, generator=gen)
     keys, values = cache[0, 1:, :, :S], cache[1, 1:, :, :S]
@@ -87,7 +90,11 @@ def test_the_tree_kernel_matches_torch_attention_under_the_tree_mask(H, Hkv, Dh,
     assert counts[0] == S and bool((counts < S).any())
     got = decode_attention.tree_attention(q, keys, values, counts, allowed)
     want = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=H != Hkv)
-    torch.testing.assert_close(got, want.transpose(1, 2).reshape(B, T, H * Dh), rtol=1e-5, atol=1e-5)
+    want = want.transpose(1, 2).reshape(B, T, H * Dh)
+    is_real = torch.arange(T)[None, :] < torch.tensor(real)[:, None]
+    assert not bool(is_real.all())  # the case has pads
+    torch.testing.assert_close(got[is_real], want[is_real], rtol=1e-5, atol=1e-5)
+    assert bool((got[~is_real] == 0).all())
     allowed[1, 0, 0] = not allowed[1, 0, 0]  # one key more or less for one query: noticed
     assert not torch.allclose(decode_attention.tree_attention(q, keys, values, counts, allowed)[1, 0], got[1, 0])
 
