@@ -1,6 +1,7 @@
 """Per-request speculation budgets against the best per-batch-size policy, on mixed traffic.
 
-The native engine (SmolLM2-135M-Instruct, float32, prompt lookup) serves the same requests
+The native engine (SmolLM2-135M-Instruct, float32, prompt lookup or with --draft-model a
+draft model) serves the same requests
 under `auto` (per-request budgets, native_engine/budget.py) and under each static policy
 (`off`, chains, trees), at batch sizes 1, 4 and 16:
 - requests: held-out ShareGPT chat turns and HumanEval code edits, alternating
@@ -31,7 +32,7 @@ Goal (issue 16): auto >= 1.2x the best per-batch policy's tokens/s at batch 4 an
 or better TPOT, and never below it at batch 1.
 
     .venv/bin/python -m bench.native_budget [--rounds 4] [--batches 1,4,16] [--max-tokens 96] [--dtype bfloat16]
-        [--policies off,chain2,chain4,tree2x2x1x1,tree4x2x2x1,auto] [--out bench/results/budget-cpu]
+        [--policies off,chain2,chain4,tree2x2x1x1,tree4x2x2x1,auto] [--draft-model NAME] [--out bench/results/budget-cpu]
 """
 
 from __future__ import annotations
@@ -59,8 +60,9 @@ from bench.harness import reply_token_caps  # noqa: E402
 from bench.verdicts import split_rounds  # noqa: E402
 from distill.teacher import load_tokenizer  # noqa: E402
 from native_engine.budget import BudgetPlanner  # noqa: E402
-from native_engine.drafters import NgramDrafter  # noqa: E402
+from native_engine.drafters import DraftModelDrafter, NgramDrafter  # noqa: E402
 from native_engine.engine import EngineConfig, NativeEngine  # noqa: E402
+from native_engine.model import Transformer, load_model  # noqa: E402
 from native_engine.requests import SamplingParams  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
@@ -121,17 +123,20 @@ def step_profile(runs: list[dict]) -> list[dict]:
     return rows
 
 
-def engine_for(base: NativeEngine, policy: str, batch: int) -> NativeEngine:
-    """A fresh engine of `batch` rows over `base`'s weights."""
-    return NativeEngine(base.model, NgramDrafter(), EngineConfig(max_batch_size=batch, max_seq_len=MAX_SEQ_LEN),
+def engine_for(base: NativeEngine, policy: str, batch: int, draft: Transformer | None = None) -> NativeEngine:
+    """A fresh engine of `batch` rows over `base`'s weights; prompt lookup drafts, or `draft`
+    (a draft model's weights) where given."""
+    drafter = DraftModelDrafter(draft, batch, MAX_SEQ_LEN) if draft is not None else NgramDrafter()
+    return NativeEngine(base.model, drafter, EngineConfig(max_batch_size=batch, max_seq_len=MAX_SEQ_LEN),
                         SpecPolicy.parse(policy), base.tokenizer, tuple(base.eos_ids))
 
 
-def run(base: NativeEngine, policy: str, requests: list[dict], batch: int, planner: BudgetPlanner | None = None
-        ) -> dict:
+def run(base: NativeEngine, policy: str, requests: list[dict], batch: int, planner: BudgetPlanner | None = None,
+        draft: Transformer | None = None) -> dict:
     """Every request queued at once into a fresh engine of `batch` rows, until all finish;
-    `planner`: the per-request budget state to start from (a copy is used)."""
-    engine = engine_for(base, policy, batch)
+    `planner`: the per-request budget state to start from (a copy is used); `draft`: as in
+    `engine_for`."""
+    engine = engine_for(base, policy, batch, draft)
     if planner is not None:
         engine.budget = copy.deepcopy(planner)
         engine.budget.reliability[:] = 0.0  # this run's nodes only
@@ -187,6 +192,9 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="the engine's weights (bfloat16: what `dtype: auto` picks on a CPU where it is faster)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--draft-model", default=None,
+                        help="draft with this model (a name or folder, e.g. smollm2-135m-instruct-draft) "
+                             "instead of prompt lookup")
     parser.add_argument("--out", default="bench/results/budget-cpu")
     args = parser.parse_args()
     batches = tuple(int(b) for b in args.batches.split(","))
@@ -200,14 +208,18 @@ def main() -> None:
     folder = Path(resolve_model(MODEL, prepare=False))
     base = NativeEngine.from_pretrained(MODEL, dtype=getattr(torch, args.dtype),
                                         config=EngineConfig(max_batch_size=1, max_seq_len=MAX_SEQ_LEN))
+    draft = None
+    if args.draft_model:
+        draft = load_model(resolve_model(args.draft_model, prepare=False), dtype=getattr(torch, args.dtype)
+                           ).prepare_for_serving()
     sets = {b: request_set(REQUESTS[b], args.seed, args.max_tokens, folder) for b in batches}
     run(base, "off", sets[batches[0]][:1], 1)  # warm-up: allocator, thread pool, weights
     warm = {}
     for b in batches:
-        calibrated = engine_for(base, BUDGETED, b)
+        calibrated = engine_for(base, BUDGETED, b, draft)
         seconds = calibrated.calibrate_step_cost()  # as a serving replica does at start
         w = run(base, BUDGETED, request_set(REQUESTS[b], args.seed, args.max_tokens, folder, split="train"), b,
-                calibrated.budget)
+                calibrated.budget, draft)
         warm[b] = w["planner"]
         print(f"[budget] warm-up of {BUDGETED} at batch {b}: step cost calibrated in {seconds:.1f} s, then "
               f"{w['decode_tokens_per_s']:.1f} tok/s (train split, not scored)", flush=True)
@@ -217,7 +229,7 @@ def main() -> None:
         for batch in batches:
             order = policies[rnd % len(policies):] + policies[: rnd % len(policies)]
             for policy in order:
-                r = run(base, policy, sets[batch], batch, warm[batch] if policy == BUDGETED else None)
+                r = run(base, policy, sets[batch], batch, warm[batch] if policy == BUDGETED else None, draft)
                 r.pop("planner")
                 r["round"] = rnd
                 runs.append(r)
@@ -227,7 +239,8 @@ def main() -> None:
                       f"accepted length {r['mean_accepted_length']:.2f}", flush=True)
     host.update(machine.at_end(host))
     summary = summarize(runs, batches, policies, args.rounds)
-    report = {"model": MODEL, "dtype": args.dtype, "threads": args.threads, "drafter": "ngram (prompt lookup)",
+    report = {"model": MODEL, "dtype": args.dtype, "threads": args.threads,
+              "drafter": args.draft_model or "ngram (prompt lookup)",
               "command": " ".join(sys.argv[1:]), "machine": host, "requests": {b: REQUESTS[b] for b in batches},
               "max_tokens": args.max_tokens, "rounds": args.rounds, "summary": summary,
               "runs": [{k: v for k, v in r.items() if k != "greedy_outputs"} for r in runs], "time": time.time()}

@@ -119,8 +119,12 @@ class DraftModelDrafter:
         self.max_expanded_nodes = max_expanded_nodes
         a = model.args
         w = model.lm_head.weight
-        # Room after a sequence for every expanded node plus one pad column per frontier row.
-        length = max_len + 2 * max_expanded_nodes
+        # Room after a sequence for every expanded node plus one pad column per frontier row,
+        # and for a catch-up pass's pads: in `_catch_up` every row runs as many tokens as the
+        # row with the most to feed (a new row's whole prompt), its pads written after its own
+        # tokens, so a long row beside a new one needs max_len more (found at batch 16 under
+        # `auto`: "the pass reads 1293 keys of 1280").
+        length = 2 * max_len + 2 * max_expanded_nodes
         self.cache = KVCache.allocate(a.n_layers, rows, a.n_kv_heads, length, a.head_dim, model.cache_dtype(),
                                       w.device)
         self.cached = [0] * rows  # [row] -> tokens of the committed sequence held in the cache

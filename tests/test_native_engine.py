@@ -16,7 +16,7 @@ from native_engine.kv_cache import KVCache
 from native_engine.model import build_model, causal_mask
 from native_engine.requests import SamplingParams
 from native_engine.testing import CharTokenizer, noisy_copy, reference_greedy, tiny_args
-from native_engine.tree import attention_mask
+from native_engine.tree import TreeShape, attention_mask
 
 SHAPES = ["off", "chain1", "chain4", "tree2x2", "tree4x2x2x1", "tree3x3x2@10",  # @N: best-first budget
           "auto", "budget6"]  # per-request budgets: uneven trees in one verify pass
@@ -327,3 +327,15 @@ def test_waiting_request_can_be_aborted_and_ids_are_reusable(target, draft, prom
         engine.step()
     engine.add_request("b", prompts[1], SamplingParams(max_tokens=3))
     assert len(engine.generate([prompts[2]], SamplingParams(max_tokens=3))[0]) == 3
+
+
+def test_the_draft_model_catches_up_a_long_row_beside_a_new_one(draft):
+    """A row near the end of its positions and a new row with a whole prompt to feed run one
+    catch-up pass, every row padded to the longest: the pads must fit the draft's cache."""
+    drafter = DraftModelDrafter(draft, rows=2, max_len=64, max_expanded_nodes=8)
+    shape = TreeShape((2, 1))
+    long_row = [(7 * i) % 50 + 1 for i in range(60)]
+    drafter.propose([long_row], shape)  # row 0's cache now holds 60 tokens
+    new_row = [(3 * i) % 40 + 1 for i in range(50)]
+    trees = drafter.propose([long_row + [5], new_row], shape)
+    assert [len(t) for t in trees] == [4, 4] and drafter.cached == [61, 50]
