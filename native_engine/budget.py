@@ -48,6 +48,16 @@ offered, were on the output's path 15% of the time).
   accepted, decayed; every p is scaled by it. Keeping the nodes that look best favours the
   ones whose estimate is too high (the winner's curse); this takes it back out.
 Nodes deeper than the sequence's remaining tokens - 1 are worth nothing (p = 0).
+
+Drafting has a cost of its own: prompt lookup's is nearly nothing, a draft model's one pass
+per depth over every sequence offered. So before drafting, `should_draft` weighs what the
+recent drafted steps' plans expected to gain (draft tokens accepted per sequence), what their
+verify cost over a step without drafts (by the step-cost fit) and what drafting cost
+(measured), against a step without drafts, and the engine drafts only when drafting pays;
+after EXPLORE_EVERY steps without drafting one drafts anyway (the wait doubling while
+drafting still does not pay, up to MAX_DRAFT_WAIT), so a drafter that starts paying is
+noticed. Without it `auto` with the distilled draft model drafted every sequence at every
+step and ran at a fifth of `off`'s speed at batch 16 (docs/benchmarks.md, A draft model's cost).
 """
 
 from __future__ import annotations
@@ -91,6 +101,14 @@ BIAS_DECAY = 0.99  # per budgeted step
 # guessed too high would keep B at 0 and never be corrected.
 EXPLORE_EVERY = 16
 RELIABILITY_BINS = 10  # the estimates' reliability diagram: P(accepted) in bins of 0.1
+DRAFT_DECAY = 0.9  # per drafted step: what drafting gained and cost, over about the last ten
+# Drafting that costs less than this share of a step without drafts goes on even where it gains
+# nothing (prompt lookup's, about 0.1%): the calibration keeps learning from its offers.
+DRAFT_TOLERANCE = 0.02
+# Steps without drafting before one drafts anyway: EXPLORE_EVERY, doubled each time drafting
+# still does not pay after it, up to this many (a draft model's exploring step at batch 16 cost
+# five bare steps: every sixteenth was a quarter of the time), back to EXPLORE_EVERY once it does.
+MAX_DRAFT_WAIT = 256
 
 
 CALIBRATION_SHAPE = (SAMPLING_CLASSES, 3, MATCH_KEYS, len(DEPTH_EDGES) + 1, len(CONFIDENCE_EDGES) + 1)
@@ -359,6 +377,10 @@ class BudgetPlan:
 
     budget: int  # nodes kept (B)
     predicted: float  # expected draft tokens accepted: the sum of the kept nodes' p, bias correction undone
+    # The rule's choice, before any exploration (EXPLORE_EVERY) added nodes: its expected
+    # draft tokens accepted (bias-corrected) and the seconds it adds to a step without drafts.
+    expected: float = 0.0
+    verify_extra_s: float = 0.0
 
 
 class BudgetPlanner:
@@ -374,6 +396,16 @@ class BudgetPlanner:
         # benchmark resets them): [P bin] -> (nodes, nodes the output went through).
         self.reliability = np.zeros((RELIABILITY_BINS, 2))
         self.offered_accepted = 0  # draft tokens the offers held: accepted had every node been verified
+        # Drafted steps' plans, decayed (DRAFT_DECAY), per sequence: expected draft tokens
+        # accepted, verify seconds over a step without drafts, drafting seconds (measured);
+        # and steps since the last drafted.
+        self.drafted_steps = 0.0
+        self.gain_per_seq = 0.0
+        self.verify_extra_per_seq_s = 0.0
+        self.draft_per_seq_s = 0.0
+        self.undrafted_steps = 0
+        self.explore_next = False  # set by should_draft after draft_wait steps without drafting
+        self.draft_wait = EXPLORE_EVERY
 
     @property
     def bias(self) -> float:
@@ -411,7 +443,14 @@ class BudgetPlanner:
         n = len(decode)
         chosen = best_selection(ranked, n, lambda longest: self.cost.step_seconds(n, context_tokens, longest),
                                 max_nodes)
-        if self.steps % EXPLORE_EVERY == 0:
+        # What drafting gains under the rule (should_draft), exploration or not: the chosen
+        # nodes' expected accepted tokens and the verify seconds they add to a bare step.
+        expected = sum(p for p, _, _ in chosen)
+        longest = max((len(k) for k in by_sequence(chosen, n)), default=0)  # nodes of the longest kept tree
+        seconds = self.cost.step_seconds(n, context_tokens, np.array([0.0] * len(chosen) + [float(longest)]))
+        explore = self.steps % EXPLORE_EVERY == 0 or self.explore_next
+        self.explore_next = False
+        if explore:
             cap = len(ranked) if max_nodes is None else min(max_nodes, len(ranked))
             chosen = ranked[: min(cap, 2 * len(chosen) + n)]
         trees = [subtree(t, k) for t, k in zip(offers, by_sequence(chosen, n))]
@@ -419,7 +458,39 @@ class BudgetPlanner:
             if len(offer):
                 req.offers.append(Offer(len(req.output), offer, edges, cells, probs))
         # Before the bias correction: the correction is measured against the raw estimates.
-        return trees, BudgetPlan(budget=len(chosen), predicted=sum(p for p, _, _ in chosen) / bias)
+        return trees, BudgetPlan(budget=len(chosen), predicted=sum(p for p, _, _ in chosen) / bias,
+                                 expected=expected, verify_extra_s=float(seconds[-1] - seconds[0]))
+
+    def should_draft(self, seqs: int, context_tokens: int) -> bool:
+        """Whether drafting this step pays, by the recent drafted steps' plans: (seqs +
+        expected accepted) / (a step without drafts + their verify and drafting seconds) at
+        least seqs / (a step without drafts), less DRAFT_TOLERANCE. Where drafting costs next
+        to nothing this holds whenever the plans verified what pays. True before any drafted
+        step, and after `draft_wait` steps without (that step then explores; MAX_DRAFT_WAIT)."""
+        if self.drafted_steps == 0.0:
+            return True
+        if self.undrafted_steps >= self.draft_wait:
+            self.explore_next = True  # and verify more than pays: what drafting gains is measured afresh
+            return True
+        bare = float(self.cost.step_seconds(seqs, context_tokens, np.zeros(1))[0])
+        drafted = bare + seqs * (self.verify_extra_per_seq_s + self.draft_per_seq_s)
+        if (1.0 + self.gain_per_seq + DRAFT_TOLERANCE) * bare >= drafted:
+            self.draft_wait = EXPLORE_EVERY
+            return True
+        if self.undrafted_steps == 0:  # the step before drafted, and drafting still does not pay
+            self.draft_wait = min(2 * self.draft_wait, MAX_DRAFT_WAIT)
+        return False
+
+    def record_draft(self, seqs: int, seconds: float, plan: BudgetPlan) -> None:
+        """A drafted step: its drafting seconds, and its plan's expected draft tokens accepted
+        and verify seconds over a step without drafts (BudgetPlan.expected, verify_extra_s)."""
+        d = DRAFT_DECAY
+        self.drafted_steps = d * self.drafted_steps + 1.0
+        w = 1.0 / self.drafted_steps  # the decayed mean's weight of this step
+        self.gain_per_seq += w * (plan.expected / seqs - self.gain_per_seq)
+        self.verify_extra_per_seq_s += w * (plan.verify_extra_s / seqs - self.verify_extra_per_seq_s)
+        self.draft_per_seq_s += w * (seconds / seqs - self.draft_per_seq_s)
+        self.undrafted_steps = 0
 
     def observe(self, decode: list[Request], trees: list[DraftTree], results: list[Acceptance],
                 plan: BudgetPlan) -> None:

@@ -328,14 +328,21 @@ class NativeEngine:
         decode = self.running[: len(self.running) - len(new)]
         self._lifetimes.step([r.request_id for r in self.running], len(self.running), config)
         context = sum(r.cache_len for r in decode)
-        trees = self._draft(decode, shape)
         plan: BudgetPlan | None = None
+        drafting = not (config.per_request and decode) or self.budget.should_draft(len(decode), context)
+        draft_start = time.perf_counter()
+        trees = self._draft(decode, shape) if drafting else [DraftTree() for _ in decode]
+        draft_s = time.perf_counter() - draft_start
         if config.per_request and decode:
             trees, plan = self.budget.plan(decode, trees, config.max_nodes, context)
         results, verified, padded = self._verify(decode, trees)
         outputs += self._commit(decode, results)
         if plan is not None:  # after the commit: the offers are learned from the outputs
             self.budget.observe(decode, trees, results, plan)
+            if drafting:
+                self.budget.record_draft(len(decode), draft_s, plan)
+            else:
+                self.budget.undrafted_steps += 1
         outputs += self._prefill(new)
         self._release_finished()
         counts = AcceptanceCounts(shape.widths if decode else (), per_rank=plan is None)

@@ -8,6 +8,7 @@ exactness in test_native_sampling.py."""
 from __future__ import annotations
 
 import random
+import time
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ import torch
 
 from adaspec.policy import SpecPolicy
 from native_engine.budget import (
-    MAX_EDGE, MIN_P, BudgetPlanner, StepCost, best_budget, best_selection, edge_confidences, hindsight, select_nodes,
+    EXPLORE_EVERY, MAX_EDGE, MIN_P, BudgetPlan, BudgetPlanner, StepCost, best_budget, best_selection, edge_confidences, hindsight, select_nodes,
 )
 from native_engine.drafters import NgramDrafter
 from native_engine.engine import EngineConfig, NativeEngine
@@ -443,3 +444,58 @@ def test_the_benchmarks_step_profile_groups_steps_by_nodes_per_sequence():
     assert set(profile) == {"0", "<=1", "2-4", ">4"}  # empty buckets left out
     assert profile["2-4"]["tokens_per_s"] == pytest.approx(7 / 0.3) and profile["0"]["step_share"] == 0.25
     assert profile[">4"]["time_share"] == pytest.approx(0.4) and profile["<=1"]["ms_per_step"] == pytest.approx(200)
+
+
+def test_drafting_stops_when_its_cost_outweighs_what_it_gains(target):
+    """Drafting costs time of its own (a draft model: one pass per depth over every row). With
+    a drafter slowed on purpose (prompt lookup, the stand-in for a draft model's passes) and a
+    40 ms step without drafts, `auto` stops drafting when drafting takes 20 ms a call and a
+    verified node 0.5 s, except now and then to look again (every EXPLORE_EVERY steps at
+    most); when drafting takes 2 ms and a node 0.1 ms it drafts several times as often (not
+    always: until prompt lookup finds a match, drafting gains nothing). The output is `off`'s
+    either way."""
+    prompts = _prompts(2, seed=3)
+    reference = _engine(target, "off", batch=2).generate(prompts, SamplingParams(max_tokens=80))
+    drafted = {}
+    for per_node_s, draft_s in ((0.5, 0.02), (0.0001, 0.002)):
+        engine = _engine(target, "auto", batch=2)
+        theta = np.zeros_like(engine.budget.cost.prior)  # [base, per sequence, per token, ...]
+        theta[0], theta[1], theta[2] = 0.040, -per_node_s, per_node_s  # a step's roots cost the base only
+        engine.budget.cost.coefficients = lambda seqs, theta=theta: theta
+        calls = []
+        propose = engine.drafter.propose
+
+        def slow_propose(contexts, shape, propose=propose, calls=calls, draft_s=draft_s):
+            calls.append(len(contexts))
+            time.sleep(draft_s)
+            return propose(contexts, shape)
+
+        engine.drafter.propose = slow_propose
+        assert engine.generate(prompts, SamplingParams(max_tokens=80)) == reference
+        steps = [s for s in engine.drain().steps if s.node_budget is not None]
+        drafted[per_node_s] = len(calls)
+        if per_node_s == 0.5:
+            assert 1 <= len(calls) <= len(steps) // EXPLORE_EVERY + 2, (len(calls), len(steps))
+    assert drafted[0.0001] > 3 * drafted[0.5], drafted
+
+
+def test_should_draft_weighs_the_plans_gain_against_the_drafting_seconds():
+    planner = BudgetPlanner()
+    planner.cost.coefficients = lambda seqs: np.array([0.040, 0, 0.004] + [0.0] * (len(planner.cost.prior) - 3))
+    assert planner.should_draft(4, 1000)  # nothing measured yet
+    nothing = BudgetPlan(budget=0, predicted=0.0, expected=0.0, verify_extra_s=0.0)
+    planner.record_draft(4, 0.010, nothing)  # 10 ms of drafting for no gain
+    assert not planner.should_draft(4, 1000)
+    planner.record_draft(4, 0.0001, nothing)  # drafting nearly free: it goes on (the calibration learns)
+    for _ in range(30):
+        planner.record_draft(4, 0.0001, nothing)
+    assert planner.should_draft(4, 1000)
+    worth = BudgetPlan(budget=8, predicted=4.0, expected=4.0, verify_extra_s=0.032)
+    for _ in range(30):
+        planner.record_draft(4, 0.010, worth)  # 4 tokens for 32 + 10 ms against a 56 ms bare step
+    assert planner.should_draft(4, 1000)
+    planner.record_draft(4, 0.5, nothing)
+    assert not planner.should_draft(4, 1000)
+    assert planner.draft_wait == 2 * EXPLORE_EVERY  # drafting did not pay after a drafted step: look again later
+    planner.undrafted_steps = 2 * EXPLORE_EVERY
+    assert planner.should_draft(4, 1000) and planner.explore_next
