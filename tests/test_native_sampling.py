@@ -67,8 +67,10 @@ COMPANION = [4, 5, 6, 4, 5, 6, 4, 5]
 
 @pytest.fixture
 def fixed_budget(monkeypatch):
-    """Every budgeted step keeps the batch's 2 x sequences most likely nodes (capped by
-    `budgetN` and the offers), whatever the step-cost fit says: deterministic for a seed."""
+    """Every budgeted step drafts and keeps the batch's 2 x sequences most likely nodes (capped
+    by `budgetN` and the offers), whatever the step-cost fit and the drafting time say:
+    deterministic for a seed."""
+    monkeypatch.setattr(budget_module.BudgetPlanner, "should_draft", lambda self, seqs, context_tokens: True)
     monkeypatch.setattr(budget_module, "best_selection",
                         lambda ranked, seqs, step_seconds, max_nodes=None: ranked[: min(
                             len(ranked) if max_nodes is None else max_nodes, 2 * seqs)])
