@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import time
+import types
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from adaspec.policy import SpecPolicy
 from native_engine.budget import (
     EXPLORE_EVERY, MAX_EDGE, MIN_P, BudgetPlan, BudgetPlanner, StepCost, best_budget, best_selection, edge_confidences, hindsight, select_nodes,
 )
+import native_engine.engine as engine_module
 from native_engine.drafters import NgramDrafter
 from native_engine.engine import EngineConfig, NativeEngine
 from native_engine.kv_cache import KVCache
@@ -446,16 +448,20 @@ def test_the_benchmarks_step_profile_groups_steps_by_nodes_per_sequence():
     assert profile[">4"]["time_share"] == pytest.approx(0.4) and profile["<=1"]["ms_per_step"] == pytest.approx(200)
 
 
-def test_drafting_stops_when_its_cost_outweighs_what_it_gains(target):
+def test_drafting_stops_when_its_cost_outweighs_what_it_gains(target, monkeypatch):
     """Drafting costs time of its own (a draft model: one pass per depth over every row). With
-    a drafter slowed on purpose (prompt lookup, the stand-in for a draft model's passes) and a
-    40 ms step without drafts, `auto` stops drafting when drafting takes 20 ms a call and a
-    verified node 0.5 s, except now and then to look again (every EXPLORE_EVERY steps at
+    a drafter made slow on the engine's clock (prompt lookup, each call advancing the clock the
+    engine reads: the stand-in for a draft model's passes, independent of this machine's speed)
+    and a 40 ms step without drafts, `auto` stops drafting when drafting takes 20 ms a call and
+    a verified node 0.5 s, except now and then to look again (every EXPLORE_EVERY steps at
     most); when drafting takes 2 ms and a node 0.1 ms it drafts several times as often (not
     always: until prompt lookup finds a match, drafting gains nothing). The output is `off`'s
     either way."""
     prompts = _prompts(2, seed=3)
     reference = _engine(target, "off", batch=2).generate(prompts, SamplingParams(max_tokens=80))
+    skipped = [0.0]  # seconds the slowed drafter added to the engine's clock
+    monkeypatch.setattr(engine_module, "time", types.SimpleNamespace(
+        perf_counter=lambda: time.perf_counter() + skipped[0], time=time.time, monotonic_ns=time.monotonic_ns))
     drafted = {}
     for per_node_s, draft_s in ((0.5, 0.02), (0.0001, 0.002)):
         engine = _engine(target, "auto", batch=2)
@@ -467,7 +473,7 @@ def test_drafting_stops_when_its_cost_outweighs_what_it_gains(target):
 
         def slow_propose(contexts, shape, propose=propose, calls=calls, draft_s=draft_s):
             calls.append(len(contexts))
-            time.sleep(draft_s)
+            skipped[0] += draft_s
             return propose(contexts, shape)
 
         engine.drafter.propose = slow_propose
