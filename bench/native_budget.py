@@ -178,7 +178,8 @@ def run(base: NativeEngine, policy: str, requests: list[dict], batch: int, plann
             "offered_accepted_per_seq": engine.budget.offered_accepted / max(1, sum(s.num_decode_reqs for s in decode))}
            if policy == BUDGETED else {}),
         "greedy_outputs": {r["id"]: outputs[r["id"]] for r in requests if r["greedy"]},
-        "planner": engine.budget,
+        # Not for the report (main drops them): every output, the decode steps, the planner.
+        "outputs": outputs, "decode_steps": decode, "planner": engine.budget,
     }
 
 
@@ -230,7 +231,8 @@ def main() -> None:
             order = policies[rnd % len(policies):] + policies[: rnd % len(policies)]
             for policy in order:
                 r = run(base, policy, sets[batch], batch, warm[batch] if policy == BUDGETED else None, draft)
-                r.pop("planner")
+                for key in ("planner", "outputs", "decode_steps"):
+                    r.pop(key)
                 r["round"] = rnd
                 runs.append(r)
                 print(f"[budget] {len(runs)}/{total} round {rnd} batch {batch:2d} {policy:12s} "
