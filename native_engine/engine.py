@@ -47,10 +47,14 @@ from native_engine.stats import AcceptanceCounts
 from native_engine.tree import DraftTree, TreeShape, attention_mask, batch_tree_inputs
 from native_engine.verify import Acceptance, accept_greedy, accept_sampled, probs_from_logits, sample_index
 
-# A verify pass runs packed (native_engine.model.Packing) when its real tokens fill
-# at most this share of the padded [B, T] layout: packing adds a scatter and a gather to every
-# layer, so it is kept for passes with much padding. A chosen value, not a measured break-even.
-PACK_BELOW = 0.75
+# A verify pass runs packed (native_engine.model.Packing) when its padded [B, T] layout holds at
+# least this many pads. Packing adds a scatter and a gather to every layer, about 1.2 ms a pass
+# on SmolLM2-135M (bf16, 2 Zen 4 cores), and saves about 0.3 ms a pad at batch 4 and at 16
+# alike: side by side, packed minus unpacked, 1-3 pads +0.9 to +1.4 ms, 4 pads -1.5 to +0.4,
+# 6 pads -1.3 to +0.7, 8 pads -1.0 to -2.2, 15-24 pads -4.6 to -9.5 (docs/native-engine.md,
+# "Packing by pads"). The share of the layout used before (pack at <= 75% real) packed batch 4's
+# small uneven trees at a loss and left batch 16's mostly-even ones unpacked.
+PACK_MIN_PADS = 6
 # calibrate_step_cost: draft nodes per sequence in each timed verify pass (a pattern repeated
 # over the batch): every row alike, a few rows deep beside undrafted ones (padding), and
 # mixed depths, so the step-cost fit sees tokens, padding and sequences vary apart. Each
@@ -405,7 +409,7 @@ class NativeEngine:
             mask = attention_mask(block, torch.tensor(lengths), key_len, counts).to(dev)
         real = torch.tensor([b * T + i for b, n in enumerate(counts) for i in range(n)], device=dev)
         # Uneven trees: skip the pads' matmul work.
-        packed = Packing(real, len(trees), T) if len(real) <= PACK_BELOW * len(trees) * T else None
+        packed = Packing(real, len(trees), T) if len(trees) * T - len(real) >= PACK_MIN_PADS else None
         hidden = self.model(tokens.to(dev), pos.to(dev), mask, self.cache, 0, write.to(dev), key_len, packed)
         hidden = hidden[0] if packed is not None else hidden.reshape(-1, hidden.shape[-1])[real]
         logits = self.model.logits(hidden)  # [sum counts, V]
