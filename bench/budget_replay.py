@@ -34,7 +34,7 @@ What it does, per batch size:
 (several allowed), beside the code as it is.
 
     PYTHONPATH=. .venv/bin/python -m bench.budget_replay [--batches 1,4,16] [--variant MAX_EDGE=0.8]...
-        [--data /tmp/adaspec-replay.pkl] [--rounds 2] [--dtype bfloat16]
+        [--data /tmp/adaspec-replay.pkl] [--rounds 2] [--realizations 3] [--offer 4,2,2,1] [--out DIR]
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import json
 import pickle
 import sys
 import time
@@ -56,7 +57,8 @@ import torch  # noqa: E402
 
 import native_engine.budget as budget  # noqa: E402
 from adaspec.models import resolve_model  # noqa: E402
-from bench.native_budget import MAX_SEQ_LEN, MODEL, REQUESTS, engine_for, request_set, run  # noqa: E402
+from bench import machine  # noqa: E402
+from bench.native_budget import MAX_SEQ_LEN, MODEL, REQUESTS, engine_for, redrawn, request_set, run  # noqa: E402
 from native_engine.budget import BudgetPlanner  # noqa: E402
 from native_engine.engine import EngineConfig, NativeEngine  # noqa: E402
 from native_engine.requests import Request  # noqa: E402
@@ -254,9 +256,7 @@ def more_outputs(base: NativeEngine, data: dict, batch: int, realizations: int) 
     sampled requests drawn again with other seeds (greedy ones come out the same)."""
     while len(data["outputs"]) < realizations:
         k = len(data["outputs"])
-        requests = [{**r, "params": dataclasses.replace(r["params"], seed=r["params"].seed + 7919 * k)}
-                    for r in data["test"]]
-        data["outputs"].append(run(base, "off", requests, batch)["outputs"])
+        data["outputs"].append(run(base, "off", redrawn(data["test"], k), batch)["outputs"])
         print(f"[replay] batch {batch:2d} outputs {k + 1}/{realizations}", flush=True)
 
 
@@ -304,6 +304,7 @@ def main() -> None:
     parser.add_argument("--offer", default=None,
                         help="widths of the candidate tree `auto` and `oracle` are offered, e.g. 8,4,4,2 "
                              "(default: the drafter's own)")
+    parser.add_argument("--out", default=None, help="write replay.json and replay.png here")
     args = parser.parse_args()
     offer = tuple(int(w) for w in args.offer.split(",")) if args.offer else None
     torch.set_num_threads(2)
@@ -325,6 +326,7 @@ def main() -> None:
             path.write_bytes(pickle.dumps(store))
     defaults = {item.split("=", 1)[0]: getattr(budget, item.split("=", 1)[0])
                 for v in args.variant for item in v.split("+")}
+    report = {"command": " ".join(sys.argv[1:]), "machine": machine.describe(), "batches": {}}
     for b in batches:
         data = store[b]
         clock = Clock([p for passes in data["passes"].values() for p in passes])
@@ -346,12 +348,43 @@ def main() -> None:
             passes = data["passes"].get(policy, [])
             fit = sum(p[0] for p in passes) / sum(clock.seconds(*p[1:]) for p in passes) if passes else float("nan")
             measured = ", ".join(f"{x:.1f}" for x in data["measured"].get(policy, [])) or "-"
+            report["batches"].setdefault(b, {})[policy] = {
+                **r, "measured_tokens_per_s": data["measured"].get(policy, []),
+                "measured_over_clocked": fit if passes else None}
             print(f"{policy} | {measured} | {fit:.3f} | {r['decode_tokens_per_s']:.1f} | {r['nodes_per_seq']:.2f} | "
                   f"{r['accepted_length']:.2f} | {r['host_share']:.1%}", flush=True)
         apply_variant("base", defaults)
         best = max(STATICS, key=rates.get)
         for policy in ("auto",) + tuple(args.variant) + (ORACLE,):
             print(f"batch {b}: {policy} / {best} (the best static, replayed) = {rates[policy] / rates[best]:.3f}")
+            report["batches"][b][policy]["over_best_static"] = rates[policy] / rates[best]
+        report["batches"][b]["best_static"] = best
+    if args.out:
+        write_report(report, Path(args.out))
+
+
+def write_report(report: dict, out: Path) -> None:
+    """replay.json, and replay.png: replayed decode tok/s per policy, one panel per batch size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "replay.json").write_text(json.dumps(report, indent=2))
+    batches = report["batches"]
+    fig, axes = plt.subplots(1, len(batches), figsize=(4.5 * len(batches), 4), squeeze=False)
+    for ax, (b, cells) in zip(axes[0], batches.items()):
+        policies = [p for p in cells if p != "best_static"]
+        colors = ["tab:blue" if p in STATICS else "tab:gray" if p == ORACLE else "tab:red" for p in policies]
+        ax.bar(range(len(policies)), [cells[p]["decode_tokens_per_s"] for p in policies], color=colors)
+        ax.set_xticks(range(len(policies)), policies, rotation=45, ha="right")
+        ax.set_title(f"batch {b}: auto / {cells['best_static']} = {cells['auto']['over_best_static']:.3f}")
+        ax.set_ylabel("decode tokens/s (replayed)")
+    fig.suptitle("Replayed over fixed outputs: static policies, auto, and an oracle over auto's offers")
+    fig.tight_layout()
+    fig.savefig(out / "replay.png", dpi=120)
+    print(f"[replay] wrote {out}/replay.json and replay.png", flush=True)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@ under `auto` (per-request budgets, native_engine/budget.py) and under each stati
 (`off`, chains, trees), at batch sizes 1, 4 and 16:
 - requests: held-out ShareGPT chat turns and HumanEval code edits, alternating
   (`--dataset mixed`, adaspec/datasets.py), chat-templated as served; half greedy, half at
-  T=0.7 top_p 0.9 (bench/client.realistic_mix), each seeded, stopping at EOS or at its
-  dataset reply length (at most --max-tokens);
+  T=0.7 top_p 0.9 (bench/client.realistic_mix), each seeded (the seeds moved each round, so
+  the sampled outputs are drawn afresh), stopping at EOS or at its dataset reply length (at
+  most --max-tokens);
 - each run queues `requests[batch]` requests into an engine of `batch` rows (continuous
   batching refills finished rows), so the batch stays near `batch` until the tail;
 - rounds: every (batch, policy) cell once per round, policies in a rotated order, so drift
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import statistics
 import sys
@@ -93,6 +95,12 @@ def request_set(n: int, seed: int, max_tokens: int, folder: Path, split: str = "
                     "params": SamplingParams(max_tokens=cap, temperature=sampling.temperature, top_p=sampling.top_p,
                                              seed=seed * 1000 + i)})
     return out
+
+
+def redrawn(requests: list[dict], k: int) -> list[dict]:
+    """`requests` with their sampling seeds moved by k (k = 0: as they are): the sampled
+    requests draw another output, the greedy ones give the same."""
+    return [{**r, "params": dataclasses.replace(r["params"], seed=r["params"].seed + 7919 * k)} for r in requests]
 
 
 def steps_by_nodes(steps: list) -> dict[str, list[float]]:
@@ -230,7 +238,11 @@ def main() -> None:
         for batch in batches:
             order = policies[rnd % len(policies):] + policies[: rnd % len(policies)]
             for policy in order:
-                r = run(base, policy, sets[batch], batch, warm[batch] if policy == BUDGETED else None, draft)
+                # Each round draws the sampled requests' outputs afresh: with the same seeds every
+                # round repeats each policy's own outputs, and the rounds' spread leaves out how
+                # much a cell depends on which outputs its policy happened to draw.
+                r = run(base, policy, redrawn(sets[batch], rnd), batch, warm[batch] if policy == BUDGETED else None,
+                        draft)
                 for key in ("planner", "outputs", "decode_steps"):
                     r.pop(key)
                 r["round"] = rnd

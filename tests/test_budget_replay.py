@@ -4,6 +4,7 @@ real engine on a tiny random model, greedy)."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -12,6 +13,7 @@ import torch
 
 from adaspec.policy import SpecPolicy
 from bench.budget_replay import Clock, accept_along, replay
+from bench.native_budget import redrawn
 from native_engine.drafters import NgramDrafter
 from native_engine.engine import EngineConfig, NativeEngine
 from native_engine.model import build_model
@@ -90,3 +92,12 @@ def test_a_replay_steps_as_the_engine_does(policy):
     assert [[min(a, left) for a, left in zip(accepted, lefts)] for (_, accepted), (_, _, lefts) in zip(real, replayed)
             ] == [accepted for _, accepted, _ in replayed]
     assert policy == "off" or sum(a for _, accepted in real for a in accepted) > 0  # the drafts did get accepted
+
+
+def test_each_round_draws_the_sampled_outputs_afresh():
+    params = SamplingParams(max_tokens=5, temperature=0.7, top_p=0.9, seed=3)
+    requests = [{"id": "a", "ids": [1, 2], "params": params}]
+    assert redrawn(requests, 0) == requests
+    moved = redrawn(requests, 2)[0]["params"]
+    assert moved.seed != params.seed and moved == dataclasses.replace(params, seed=moved.seed)
+    assert requests[0]["params"].seed == 3  # the set itself is left as it was
