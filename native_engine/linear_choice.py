@@ -33,6 +33,7 @@ shape and dtype, in $ADASPEC_CACHE_DIR/linear-choice.json, so a restart does not
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import platform
@@ -127,18 +128,26 @@ def read_cached(name: str, key: str) -> dict | None:
 
 
 def write_cached(name: str, key: str, entry: dict) -> None:
-    """Cache `entry` (JSON values) under `key` in cache file `name`, with the time it was measured."""
+    """Cache `entry` (JSON values) under `key` in cache file `name`, with the time it was measured.
+
+    Replicas starting together each add their entry under a lock on `name`.lock: read, add and
+    replace as one step, so none is lost. Without it two replicas whose keys differed (their
+    matmul routes, measured under each other's load) each wrote the file as they had read it,
+    and the later one dropped the other's entry: a replacement of the first then timed its
+    step cost again (tests/test_cluster.py caught it)."""
     path = cache_file(name)
     try:
-        entries = json.loads(path.read_text())
-    except (OSError, ValueError):
-        entries = {}
-    entries[key] = {**entry, "measured_at": time.time()}
-    try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # replicas starting together write apart
-        tmp.write_text(json.dumps(entries, indent=1))
-        tmp.replace(path)
+        with open(path.with_suffix(".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            try:
+                entries = json.loads(path.read_text())
+            except (OSError, ValueError):
+                entries = {}
+            entries[key] = {**entry, "measured_at": time.time()}
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(entries, indent=1))
+            tmp.replace(path)
     except OSError:
         pass  # a read-only cache: measure again next time
 

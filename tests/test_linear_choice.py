@@ -4,6 +4,9 @@ the dtype of `dtype: auto`; each measurement is cached per machine and model
 
 from __future__ import annotations
 
+import threading
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -206,3 +209,32 @@ def test_a_cpu_without_bf16_runs_auto_in_float32(tmp_path, monkeypatch):
     monkeypatch.setattr(dtype_choice, "cpu_has_bf16", lambda: False)
     choice = dtype_choice.choose(_tiny_folder(tmp_path / "tiny"))
     assert choice.dtype == torch.float32 and "no oneDNN bfloat16" in choice.reason
+
+
+def test_writers_of_the_cache_at_once_lose_no_entry(monkeypatch):
+    """Two replicas caching different keys at once: the second waits for the first to have
+    added its entry, so both are kept (read, add, replace under one lock)."""
+    read_text = Path.read_text
+    first_has_read, go_on = threading.Event(), threading.Event()
+
+    def slow_first_read(path, *args, **kwargs):
+        text = read_text(path, *args, **kwargs)
+        if threading.current_thread().name == "first" and path.name == "entries.json":
+            first_has_read.set()
+            go_on.wait(10)
+        return text
+
+    linear_choice.write_cached("entries.json", "existing", {"v": 0})
+    monkeypatch.setattr(Path, "read_text", slow_first_read)
+    first = threading.Thread(target=linear_choice.write_cached, args=("entries.json", "a", {"v": 1}), name="first")
+    second = threading.Thread(target=linear_choice.write_cached, args=("entries.json", "b", {"v": 2}), name="second")
+    first.start()
+    assert first_has_read.wait(10)
+    second.start()
+    second.join(0.5)  # under the lock the second cannot write while the first holds what it read
+    assert second.is_alive()
+    go_on.set()
+    first.join(10)
+    second.join(10)
+    for key, value in (("existing", 0), ("a", 1), ("b", 2)):
+        assert linear_choice.read_cached("entries.json", key)["v"] == value
