@@ -58,14 +58,16 @@ import torch  # noqa: E402
 import native_engine.budget as budget  # noqa: E402
 from adaspec.models import resolve_model  # noqa: E402
 from bench import machine  # noqa: E402
-from bench.native_budget import MAX_SEQ_LEN, MODEL, REQUESTS, engine_for, redrawn, request_set, run  # noqa: E402
+from bench.native_budget import (  # noqa: E402
+    BUDGETED, MAX_SEQ_LEN, MODEL, POLICIES, REQUESTS, engine_for, redrawn, request_set, run,
+)
 from native_engine.budget import BudgetPlanner  # noqa: E402
 from native_engine.engine import EngineConfig, NativeEngine  # noqa: E402
 from native_engine.requests import Request  # noqa: E402
 from native_engine.tree import DraftTree, subtree  # noqa: E402
 from native_engine.verify import Acceptance  # noqa: E402
 
-STATICS = ("off", "chain2", "chain4", "tree2x2x1x1", "tree4x2x2x1")
+STATICS = tuple(p for p in POLICIES if p != BUDGETED)  # the benchmark's static policies
 ORACLE = "oracle"
 
 
@@ -313,9 +315,6 @@ def main() -> None:
                                         config=EngineConfig(max_batch_size=1, max_seq_len=MAX_SEQ_LEN))
     path = Path(args.data)
     store = pickle.loads(path.read_bytes()) if path.exists() else {}
-    for data in store.values():  # kept by a version that measured one realization
-        if isinstance(data["outputs"], dict):
-            data["outputs"] = [data["outputs"]]
     if any(b not in store or len(store[b]["outputs"]) < args.realizations for b in batches):
         folder = Path(resolve_model(MODEL, prepare=False))
         run(base, "off", request_set(1, args.seed, args.max_tokens, folder)[:1], 1)  # warm-up

@@ -186,8 +186,8 @@ def run(base: NativeEngine, policy: str, requests: list[dict], batch: int, plann
             "offered_accepted_per_seq": engine.budget.offered_accepted / max(1, sum(s.num_decode_reqs for s in decode))}
            if policy == BUDGETED else {}),
         "greedy_outputs": {r["id"]: outputs[r["id"]] for r in requests if r["greedy"]},
-        # Not for the report (main drops them): every output, the decode steps, the planner.
-        "outputs": outputs, "decode_steps": decode, "planner": engine.budget,
+        # Not for the report (main drops them): every output (bench.budget_replay's), the planner.
+        "outputs": outputs, "planner": engine.budget,
     }
 
 
@@ -243,7 +243,7 @@ def main() -> None:
                 # much a cell depends on which outputs its policy happened to draw.
                 r = run(base, policy, redrawn(sets[batch], rnd), batch, warm[batch] if policy == BUDGETED else None,
                         draft)
-                for key in ("planner", "outputs", "decode_steps"):
+                for key in ("planner", "outputs"):
                     r.pop(key)
                 r["round"] = rnd
                 runs.append(r)
