@@ -209,7 +209,10 @@ class ControllerCore:
         elif decision.policy.config_for(lo).is_off:
             rep.last_probe = now
         policy = decision.policy.with_configs(lo, hi, trial)
-        return dataclasses.replace(decision, policy=policy, changed=not policy.same_rules(rep.policy_in_force))
+        changed = not policy.same_rules(rep.policy_in_force)
+        # Unchanged rules are not pushed: the replica goes on under the version in force.
+        rep.trial_version = policy.version if changed else rep.policy_in_force.version
+        return dataclasses.replace(decision, policy=policy, changed=changed)
 
     def _trial(self, chosen: SpecConfig, static: SpecConfig, lo: int, rep: Replica, dep: Deployment,
                now: float) -> SpecConfig | None:

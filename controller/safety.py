@@ -111,10 +111,11 @@ class ExplorationBudget:
     all_steps: float = 0.0
     updated_at: float | None = None
 
-    def add(self, steps: int, exploring: bool, now: float) -> None:
+    def add(self, steps: int, trial_steps: int, now: float) -> None:
+        """Take a report's `steps`, `trial_steps` of which ran under a trial's policy."""
         keep = 1.0 if self.updated_at is None else _decay(now - self.updated_at, BUDGET_HALF_LIFE_S)
         self.all_steps = keep * self.all_steps + steps
-        self.trial_steps = keep * self.trial_steps + (steps if exploring else 0)
+        self.trial_steps = keep * self.trial_steps + trial_steps
         self.updated_at = now
 
     @property

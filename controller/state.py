@@ -76,6 +76,10 @@ class Replica:
     measured: MeasuredSpeed = field(default_factory=MeasuredSpeed)
     budget: ExplorationBudget = field(default_factory=ExplorationBudget)
     exploring: bool = False  # the policy last decided is an exploration trial
+    # The policy version the last trial runs under. A report's steps ran under the policy
+    # decided a period before: they are a trial's if that decision was a trial and they ran
+    # under its version (while the controller is paused, a policy set by hand runs instead).
+    trial_version: int | None = None
     safety_overrides: int = 0  # decisions where measured speed overruled the models
 
     @classmethod
@@ -107,7 +111,8 @@ class Replica:
         steps = tel.steps
         self.acceptance.update(steps, now)
         self.measured.add(steps, self.capabilities.max_batch_size, now)
-        self.budget.add(len(steps), self.exploring, now)
+        trial_steps = sum(s.policy_version == self.trial_version for s in steps) if self.exploring else 0
+        self.budget.add(len(steps), trial_steps, now)
         self.recent_steps = (self.recent_steps + steps)[-VIEW_STEPS:]
         span = max(tel.window_end - tel.window_start, 1e-3)
         self.rate = _ema(self.rate, tel.arrivals / span, dt, LOAD_HALF_LIFE_S)

@@ -362,6 +362,33 @@ def test_recurring_exploration_stays_within_its_share_of_steps():
     assert bounded <= 0.06 and unbounded > 0.2, (bounded, unbounded)
 
 
+def test_steps_under_a_policy_set_by_hand_spend_no_exploration_budget():
+    """Paused in the middle of a trial, the controller still takes reports; the steps that run
+    meanwhile under a policy set by hand are not trials. Counted as trials (as they once were),
+    a paused test's minutes of steps held exploration above its share for a long time after
+    the controller resumed, and it stopped probing."""
+    core = ControllerCore(ControllerConfig(enabled=True, probe_every_s=2.0, max_exploration_share=0.2))
+    replica = SimulatedReplica("r1", alpha=0.01)
+    t = replica.run(core, 1000.0, periods=30, batch=1, arrivals=1)
+    rep = core.replicas["r1"]
+    for _ in range(60):  # on to a period that starts a trial
+        t = replica.run(core, t, periods=1, batch=1, arrivals=1)
+        if rep.exploring:
+            break
+    assert rep.exploring, "no trial in 60 periods"
+    core.paused = True
+    paused_at = core.view(now=t).replicas[0].exploration_share
+    replica.policy = SpecPolicy.parse("chain4", version=replica.policy.version + 1)  # set by hand
+    t = replica.run(core, t, periods=120, batch=1, arrivals=1)
+    share = core.view(now=t).replicas[0].exploration_share
+    # The trial's own steps (reported a period late) count; none of the later ones.
+    assert share < paused_at, (paused_at, share)
+    # Resumed, it goes on probing.
+    core.paused = False
+    t = replica.run(core, t, periods=60, batch=1, arrivals=1)
+    assert sum(p.config_for(1).depth == 1 for p in replica.history) >= 2, [str(p) for p in replica.history]
+
+
 def test_the_default_model_starts_from_its_shipped_profile_on_vllm_only():
     def deployment(engine: str, **config):
         core = ControllerCore(ControllerConfig(enabled=True, **config))

@@ -100,16 +100,17 @@ def test_chain4_steps_draft_four_tokens(client):
 def test_off_takes_effect_at_the_next_step_while_requests_flow(client):
     _applied_version(push_policy(client, "chain4"))
     start = time.time()
-    # Under chain4 a step adds at most 5 tokens, and the switch below is pushed a few steps
-    # after the first drafting step: 256 tokens outlive the switch on any machine (checked).
-    request = InFlight(client, max_tokens=256)
+    # Under chain4 a step adds at most 5 tokens, so 1024 tokens take at least 205 steps; the
+    # switch below is pushed a few polls after the first drafting step. (256 tokens, 52 steps,
+    # once ended before the switch on a CI machine whose steps were fast.)
+    request = InFlight(client, max_tokens=1024)
     wait_until(lambda: [s for s in _steps(client, since=start) if s["config"] == "chain4" and s["num_drafts"] > 0],
                "a decode step of the request drafting under chain4")
     acks = push_policy(client, "off")
     returned_at = time.time()
     version = _applied_version(acks)
     assert request.running, "the request finished before the switch; it must be longer"
-    assert request.join()["usage"]["completion_tokens"] == 256  # the request was not disturbed
+    assert request.join()["usage"]["completion_tokens"] == 1024  # the request was not disturbed
 
     after = _steps(client, since=returned_at)
     # Still running when the switch returned, so the rest of its tokens came one per step.
