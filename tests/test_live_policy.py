@@ -128,9 +128,9 @@ def test_mixed_table_follows_the_running_batch_size(client):
     version = _applied_version(push_policy(client, table))
     # The shortest request joins two that the engine is already running, so it runs at batch 3
     # (off: one token a step) from its first step. The two long ones add at most 3 tokens a step
-    # (chain2) until it arrives, so 192 tokens outlast its 48 steps even if it arrives many
-    # steps late.
-    long_ones = [InFlight(client, max_tokens=n) for n in (192, 288)]
+    # (chain2) until it arrives, so 512 tokens outlast its 48 steps even if it arrives 150 steps
+    # late. (With 192 it once arrived so late in the full suite that it ran mostly alone.)
+    long_ones = [InFlight(client, max_tokens=n) for n in (512, 768)]
     wait_until(lambda: _running_in_engine(client, 2), "two long requests running in the engine")
     short = InFlight(client, max_tokens=48)
     for r in (short, *long_ones):
@@ -146,10 +146,10 @@ def test_mixed_table_follows_the_running_batch_size(client):
     # shortest ran at batch 3 (off) throughout, the longest finished alone.
     since = min(s["time"] for s in steps) - 30
     records = {r["output_tokens"]: r for r in replica_status(client)[0]["requests"] if r["finish_time"] > since}
-    assert {48, 192, 288} <= set(records), records
+    assert {48, 512, 768} <= set(records), records
     assert records[48]["config"] == "off", records
-    assert records[48]["mean_batch"] > records[288]["mean_batch"]
-    assert all(records[n]["finish_time"] - records[n]["arrival_time"] > 0 for n in (48, 192, 288))
+    assert records[48]["mean_batch"] > records[768]["mean_batch"]
+    assert all(records[n]["finish_time"] - records[n]["arrival_time"] > 0 for n in (48, 512, 768))
 
 
 def test_invalid_policies_are_rejected_and_the_old_one_stays(client):
