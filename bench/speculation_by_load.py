@@ -43,14 +43,15 @@ async def _steps_during(url: str, seconds: float) -> list[StepRecord]:
     return [s for steps in probe.steps.values() for s in steps.values()]
 
 
-def measure(url: str, model: str, streams: int, seconds: float, max_tokens: int) -> tuple[float, list[StepRecord]]:
+def measure(url: str, model: str, streams: int, seconds: float, max_tokens: int,
+            prompt: str = PROMPT) -> tuple[float, list[StepRecord]]:
     """Run `streams` clients for a warm-up of 6 s and then `seconds`; the cell's tokens/s and steps."""
     stop = threading.Event()
 
     def client() -> None:
         with httpx.Client(base_url=url, timeout=300) as c:
             while not stop.is_set():
-                c.post("/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": max_tokens,
+                c.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": max_tokens,
                                                 "temperature": 0, "ignore_eos": True})
 
     threads = [threading.Thread(target=client) for _ in range(streams)]
@@ -73,6 +74,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="repetitions, policy order alternating")
     ap.add_argument("--seconds", type=float, default=20, help="measured seconds per cell (after 6 s warm-up)")
     ap.add_argument("--max-tokens", type=int, default=96, help="output tokens per request")
+    ap.add_argument("--prompt", default=PROMPT, help="the prompt every request sends")
     ap.add_argument("--out", type=Path, required=True, help="folder for results.json, report.md, plot")
     args = ap.parse_args()
     policies, streams = args.policies.split(","), [int(n) for n in args.streams.split(",")]
@@ -84,14 +86,19 @@ def main() -> None:
         for n in streams:
             for policy in policies if r % 2 == 0 else policies[::-1]:
                 set_policy(args.url, policy)
-                tps, steps = measure(args.url, args.model, n, args.seconds, args.max_tokens)
+                tps, steps = measure(args.url, args.model, n, args.seconds, args.max_tokens, args.prompt)
                 batch = statistics.median(s.batch_size for s in steps)
+                decode = [s for s in steps if s.num_decode_reqs and not s.prefill_tokens]
+                # Tokens a sequence gains per decode step (1 + drafts accepted): what the
+                # drafter achieves, whatever the step costs.
+                per_step = (sum(s.num_decode_reqs + sum(s.accepted_per_pos) for s in decode)
+                            / max(sum(s.num_decode_reqs for s in decode), 1))
                 cells.append({"round": r, "streams": n, "policy": policy, "tokens_per_s": tps,
-                              "steps": len(steps), "median_batch": batch})
-                print(f"round {r + 1}/{args.rounds}, {n} streams, {policy}: {tps:.1f} tok/s "
-                      f"({len(steps)} steps, median batch {batch:g})", flush=True)
+                              "tokens_per_sequence_step": per_step, "steps": len(steps), "median_batch": batch})
+                print(f"round {r + 1}/{args.rounds}, {n} streams, {policy}: {tps:.1f} tok/s, {per_step:.2f} "
+                      f"tokens a sequence-step ({len(steps)} steps, median batch {batch:g})", flush=True)
     (args.out / "results.json").write_text(json.dumps({
-        "prompt": PROMPT, "args": {k: str(v) for k, v in vars(args).items()},
+        "prompt": args.prompt, "args": {k: str(v) for k, v in vars(args).items()},
         "machine": {**machine_at_start, **machine.at_end(machine_at_start)}, "cells": cells}, indent=1))
     lines = ["| streams | " + " | ".join(policies) + " |", "|---" * (len(policies) + 1) + "|"]
     fig, axes = plt.subplots(1, len(streams), figsize=(4 * len(streams), 3.2))
