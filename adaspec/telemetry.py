@@ -256,6 +256,13 @@ def decode_tokens_per_s(steps: list[StepRecord]) -> float:
     return sum(s.num_decode_reqs + sum(s.accepted_per_pos) for s in decode) / seconds if seconds else 0.0
 
 
+def tokens_per_sequence_step(steps: list[StepRecord]) -> float:
+    """Tokens a sequence gains per decode step over `steps` (1 + draft tokens accepted, per
+    sequence decoded): what the drafter achieves, whatever the steps cost; 1.0 with none."""
+    seqs = sum(s.num_decode_reqs for s in steps)
+    return (seqs + sum(sum(s.accepted_per_pos) for s in steps)) / seqs if seqs else 1.0
+
+
 _STEP = TypeAdapter(StepRecord)
 
 
@@ -335,12 +342,11 @@ class RoutingStats(BaseModel):
         say nothing about how fast a sequence decodes."""
         decode = [s for s in steps if s.num_decode_reqs and s.time >= measured_at - max_step_age_s][-recent:]
         done = requests[-recent:]
-        seqs = sum(s.num_decode_reqs for s in decode)
         return cls(
             running=running, waiting=waiting, max_batch_size=max_batch_size, measured_at=measured_at, speed=speed,
             step_s=sum(s.duration_s for s in decode) / len(decode) if decode else None,
             step_batch=sum(s.batch_size for s in decode) / len(decode) if decode else None,
-            tokens_per_step=(seqs + sum(sum(s.accepted_per_pos) for s in decode)) / seqs if seqs else 1.0,
+            tokens_per_step=tokens_per_sequence_step(decode),
             mean_output_tokens=(sum(r.output_tokens for r in done) / len(done)
                                 if done and any(r.output_tokens for r in done) else None),
         )

@@ -58,7 +58,7 @@ import torch  # noqa: E402
 
 from adaspec.datasets import load_prompts  # noqa: E402
 from adaspec.policy import SpecPolicy  # noqa: E402
-from adaspec.telemetry import decode_tokens_per_s, step_as_dict  # noqa: E402
+from adaspec.telemetry import decode_tokens_per_s, step_as_dict, tokens_per_sequence_step  # noqa: E402
 from bench import machine  # noqa: E402
 from bench.native_goals import OFF_AFTER_VLLM, compare_vllm, goal_checks, same_budget_bound, summarize  # noqa: E402
 from bench.vllm_baseline import run_vllm  # noqa: E402
@@ -145,8 +145,7 @@ def run_config(base: NativeEngine, shape: str, prompts: list[str], batch: int, m
         "e2e_tokens_per_s": sum(len(o) for o in outputs) / wall,  # prefill, refills and tail included
         "median_step_ms": 1e3 * statistics.median(s.duration_s for s in full) if full else 0.0,
         # tokens gained per sequence per verify step (bonus included), over every decode step
-        "mean_accepted_length": (sum(s.num_decode_reqs + sum(s.accepted_per_pos) for s in decode)
-                                 / max(1, sum(s.num_decode_reqs for s in decode))),
+        "mean_accepted_length": tokens_per_sequence_step(decode),
         "draft_rate": (sum(s.num_drafts for s in decode if s.draft_k)
                        / max(1, sum(s.num_decode_reqs for s in decode if s.draft_k))),
         "outputs": outputs, "steps": steps, "planner": engine.budget,

@@ -28,7 +28,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from adaspec.telemetry import StepRecord, decode_tokens_per_s  # noqa: E402
+from adaspec.telemetry import StepRecord, decode_tokens_per_s, tokens_per_sequence_step  # noqa: E402
 from bench import machine  # noqa: E402
 from bench.replica_probe import ReplicaProbe  # noqa: E402
 from serve_app.admin_client import controller_action, set_policy  # noqa: E402
@@ -88,11 +88,7 @@ def main() -> None:
                 set_policy(args.url, policy)
                 tps, steps = measure(args.url, args.model, n, args.seconds, args.max_tokens, args.prompt)
                 batch = statistics.median(s.batch_size for s in steps)
-                decode = [s for s in steps if s.num_decode_reqs and not s.prefill_tokens]
-                # Tokens a sequence gains per decode step (1 + drafts accepted): what the
-                # drafter achieves, whatever the step costs.
-                per_step = (sum(s.num_decode_reqs + sum(s.accepted_per_pos) for s in decode)
-                            / max(sum(s.num_decode_reqs for s in decode), 1))
+                per_step = tokens_per_sequence_step([s for s in steps if not s.prefill_tokens])
                 cells.append({"round": r, "streams": n, "policy": policy, "tokens_per_s": tps,
                               "tokens_per_sequence_step": per_step, "steps": len(steps), "median_batch": batch})
                 print(f"round {r + 1}/{args.rounds}, {n} streams, {policy}: {tps:.1f} tok/s, {per_step:.2f} "

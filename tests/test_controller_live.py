@@ -130,9 +130,9 @@ def test_k_follows_the_load(client):
     - One stream of LOOPING, whose greedy continuation prompt lookup predicts almost every
       time, starting from `off` everywhere: it must move to speculation, which pays on any
       machine there (chain4 3.8-4.1x the tokens/s of `off` on a Zen 4 machine:
-      docs/benchmarks.md, "The one-stream prompt of the live test"). (With PROMPT at batch 1 it is a close call whose
-      answer depends on the machine: the pooled acceptance at the first position was 0.17
-      at the end of one run of this test.)
+      docs/benchmarks.md, "The one-stream prompt of the live test"). (With PROMPT at batch 1
+      it is a close call whose answer depends on the machine: the pooled acceptance at the
+      first position was 0.17 at the end of one run of this test.)
     - A 24-stream burst of PROMPT: it must try a second config there (its recurring trials:
       chain1 every 30 s while a bucket is off, off every 60 s while it speculates, within 5%
       of the steps; the shipped profile already measured every config there) and settle.
