@@ -20,7 +20,7 @@ from bench.client import RequestResult, arrivals_until
 from adaspec.datasets import Prompt, load_prompts
 from bench.harness import BenchSettings, bench_prompts
 from bench.metrics import tpot_s
-from bench.policies import interleaved
+from bench.policies import apply_policy, interleaved
 from bench.replica_probe import PolicyChange
 
 
@@ -88,8 +88,6 @@ def run_phase_change(sweep, trace: str) -> dict:
     same for every policy in it, and runs the policies in an order rotated from round to round
     (bench/policies.interleaved). Per policy: per-round TPOTs (`rounds_tpots_s`) for the
     verdict's held-out rounds, and segment means over every round."""
-    from bench.sweep import apply_policy
-
     segments = parse_trace(trace)
     end = sum(s.duration_s for s in segments)
     rounds = max(sweep.s.rounds, 1)

@@ -1,4 +1,5 @@
-"""The policies a sweep compares, by name, and the profiled batch-size table.
+"""The policies a sweep compares, by name, the profiled batch-size table, and how a sweep
+puts a policy in force on a running deployment (`apply_policy`).
 
 Names: `off`, `chainK`, `adaptive` (the controller on), `table:profiled` (built from an
 `adaspec profile` run, below) and `table:"1-2:chain4,3+:off"` (any explicit table).
@@ -12,12 +13,14 @@ measure them before deploying; the table never changes afterwards.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
 from adaspec.policy import PolicyError, SpecConfig, SpecPolicy
 from adaspec.telemetry import StepRecord, read_profile, summarize_acceptance
+from serve_app import admin_client
 
 ADAPTIVE = "adaptive"
 
@@ -87,3 +90,56 @@ def interleaved(policies: list[NamedPolicy], round_index: int) -> list[NamedPoli
     n = len(policies)
     rotated = [policies[(i + round_index) % n] for i in range(n)]
     return rotated[::-1] if round_index % 2 else rotated
+
+
+# How long `adaptive` may take to put its policy in force after a resume: it comes with the
+# controller's reply to each replica's next report (controller.period_s, 1 s by default).
+CONTROLLER_POLICY_WAIT_S = 15.0
+
+
+def apply_policy(url: str, policy: NamedPolicy, start_table: str) -> None:
+    """Pause the controller and push a static table; or, for `adaptive`, reset the replicas
+    to the start table, resume, and return once every replica runs the controller's policy.
+
+    Waiting for it: a static cell's load starts under its own table, and so does adaptive's.
+    Without the wait the start table ran a burst's first steps, each seconds long at batch 32:
+    in a sweep of 2026-12-06 (Xeon; "Where the burst's last percent went" in the git history
+    of docs/benchmarks.md) the rounds whose adaptive burst began with one or two chain4 steps
+    at batch 32 were 1.6% and 3.3% slower than `off`, the round that began under the
+    controller's table 0.3%."""
+    if policy.adaptive:
+        admin_client.controller_action(url, "pause")
+        _push(url, start_table)
+        admin_client.controller_action(url, "resume")
+        wait_for_controller_policy(url)
+    else:
+        admin_client.controller_action(url, "pause")
+        _push(url, policy.table)
+
+
+def wait_for_controller_policy(url: str, timeout_s: float = CONTROLLER_POLICY_WAIT_S) -> float:
+    """Seconds until every replica the controller knows runs the policy it chose for it,
+    as a report sent after this call began says (the view's `policy_in_force` equal to
+    `chosen_policy`: a report from before may still show the previous cell's policy);
+    0 without a controller. Raises AdminError after `timeout_s`."""
+    start = time.monotonic()
+    while True:
+        view = admin_client.controller_view(url)
+        waited = time.monotonic() - start
+        if view is None:
+            return 0.0
+        if view.replicas and all(r.seconds_since_report < waited and r.chosen_policy is not None
+                                 and r.policy_in_force == r.chosen_policy for r in view.replicas):
+            return waited
+        if waited > timeout_s:
+            behind = [f"{r.replica_id}: runs {r.policy_in_force}, chosen {r.chosen_policy}" for r in view.replicas]
+            raise admin_client.AdminError(f"the controller's policy not in force after {timeout_s:.0f} s "
+                                          f"({'; '.join(behind) or 'no replica reported'})")
+        time.sleep(0.2)
+
+
+def _push(url: str, table: str) -> None:
+    acks = admin_client.set_policy(url, table)
+    bad = [a for a in acks if a.status != "applied"]
+    if bad or not acks:
+        raise admin_client.AdminError(f"policy {table} not applied: {bad or 'no replicas'}")

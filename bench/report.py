@@ -12,14 +12,13 @@ gets the verdicts on the means alone (the only ones for single-round sweeps):
   of mean TPOT over the whole sweep (every dataset and rate). Goal: adaptive's geometric
   mean beats every static policy's (ratio > 1).
 
-    python -m bench.report DIR     # rewrite DIR/report.md and the PNGs from DIR/results.json
+    adaspec sweep --report-only --out DIR   # rewrite DIR/report.md and the PNGs from DIR/results.json
 """
 
 from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import matplotlib
@@ -434,6 +433,3 @@ def cross_check_section(x: dict | None) -> list[str]:
             f"({'within' if x['within_10pct'] else 'NOT within'} 10%).", "",
             f"vLLM command: `{x['vllm_command']}`"]
 
-
-if __name__ == "__main__":
-    print(write_report(Path(sys.argv[1])))

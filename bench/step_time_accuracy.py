@@ -5,7 +5,7 @@ different splits, and prints the mean absolute percentage error on the other 20%
 and per speculation config.
 
     adaspec profile --url http://127.0.0.1:8000 --out bench/results/profile-cpu
-    python bench/step_time_accuracy.py bench/results/profile-cpu/steps.jsonl
+    python -m bench.step_time_accuracy bench/results/profile-cpu/steps.jsonl
 """
 
 from __future__ import annotations

@@ -38,8 +38,10 @@ from bench.serve_process import ServeProcess
 from bench.client import RequestMix, RequestResult, arrival_times
 from bench.metrics import tpot_s
 from adaspec.datasets import load_prompts
-from bench.harness import BenchResult, BenchSettings, bench_prompts
-from bench.policies import NamedPolicy, interleaved
+from bench.harness import BenchResult, BenchSettings, bench_prompts, served_model
+from bench.phase import run_phase_change
+from bench.cross_check import cross_check
+from bench.policies import NamedPolicy, apply_policy, interleaved
 
 
 class SweepSettings(BaseModel):
@@ -96,58 +98,6 @@ def prepare_config(config: Path, out: Path, max_k: int, profile: str | None) -> 
     path = out / "app-config.yaml"
     path.write_text(f"# written by adaspec sweep from {config}\n" + yaml.safe_dump(doc, sort_keys=False))
     return path, url, str(spec.get("policy", "chain4")), notes
-
-
-# How long `adaptive` may take to put its policy in force after a resume: it comes with the
-# controller's reply to each replica's next report (controller.period_s, 1 s by default).
-CONTROLLER_POLICY_WAIT_S = 15.0
-
-
-def apply_policy(url: str, policy: NamedPolicy, start_table: str) -> None:
-    """Pause the controller and push a static table; or, for `adaptive`, reset the replicas
-    to the start table, resume, and return once every replica runs the controller's policy.
-
-    Waiting for it: a static cell's load starts under its own table, and so does adaptive's.
-    Without the wait the start table ran a burst's first steps, each seconds long at batch 32:
-    in the sweep of docs/benchmarks.md, "Where the burst's last percent went", the rounds
-    whose adaptive burst began with one or two chain4 steps at batch 32 were 1.6% and 3.3%
-    slower than `off`, the round that began under the controller's table 0.3%."""
-    if policy.adaptive:
-        admin_client.controller_action(url, "pause")
-        _push(url, start_table)
-        admin_client.controller_action(url, "resume")
-        wait_for_controller_policy(url)
-    else:
-        admin_client.controller_action(url, "pause")
-        _push(url, policy.table)
-
-
-def wait_for_controller_policy(url: str, timeout_s: float = CONTROLLER_POLICY_WAIT_S) -> float:
-    """Seconds until every replica the controller knows runs the policy it chose for it,
-    as a report sent after this call began says (the view's `policy_in_force` equal to
-    `chosen_policy`: a report from before may still show the previous cell's policy);
-    0 without a controller. Raises AdminError after `timeout_s`."""
-    start = time.monotonic()
-    while True:
-        view = admin_client.controller_view(url)
-        waited = time.monotonic() - start
-        if view is None:
-            return 0.0
-        if view.replicas and all(r.seconds_since_report < waited and r.chosen_policy is not None
-                                 and r.policy_in_force == r.chosen_policy for r in view.replicas):
-            return waited
-        if waited > timeout_s:
-            behind = [f"{r.replica_id}: runs {r.policy_in_force}, chosen {r.chosen_policy}" for r in view.replicas]
-            raise admin_client.AdminError(f"the controller's policy not in force after {timeout_s:.0f} s "
-                                          f"({'; '.join(behind) or 'no replica reported'})")
-        time.sleep(0.2)
-
-
-def _push(url: str, table: str) -> None:
-    acks = admin_client.set_policy(url, table)
-    bad = [a for a in acks if a.status != "applied"]
-    if bad or not acks:
-        raise admin_client.AdminError(f"policy {table} not applied: {bad or 'no replicas'}")
 
 
 class Sweep:
@@ -233,8 +183,6 @@ class Sweep:
             self.doc["notes"] += notes
             server = ServeProcess(config.resolve(), self.url, Path(tmp) / "serve.log",
                                   env={"ADASPEC_CONTROLLER_DIR": str(Path(tmp) / "controller")})
-            from bench.harness import served_model
-
             server.start()
             try:
                 ready_s = server.wait_ready(_model_of(config))
@@ -244,13 +192,9 @@ class Sweep:
                 self.warm_up()
                 self.run_grid()
                 if self.s.phase_trace:
-                    from bench.phase import run_phase_change
-
                     self.doc["phase_change"] = run_phase_change(self, self.s.phase_trace)
                     self.save()
                 if self.s.cross_check_rate is not None:
-                    from bench.cross_check import cross_check
-
                     self.doc["cross_check"] = cross_check(self, self.s.cross_check_rate)
                     self.save()
             finally:

@@ -5,7 +5,7 @@ Two vLLM engines in one process, identical but for the scheduler: vLLM's own `Sc
 greedy requests runs on each in ABBA order, so machine drift hits both alike; the ratio of
 wall times per step (identical step counts: same greedy outputs, same table) is printed.
 
-    python bench/telemetry_overhead.py [--rounds 8 --batch 8 --tokens 64]
+    python -m bench.telemetry_overhead [--rounds 8 --batch 8 --tokens 64]
 """
 
 from __future__ import annotations

@@ -467,8 +467,7 @@ def test_a_sweeps_adaptive_cell_starts_under_the_controllers_policy(server, clie
     """`adaspec sweep` resets the replicas to the start table before an adaptive cell; its
     load starts only once the controller's own policy is in force, as a static cell's starts
     under its table (the start table ran a burst's first steps before: docs/benchmarks.md)."""
-    from bench.policies import resolve
-    from bench.sweep import apply_policy
+    from bench.policies import apply_policy, resolve
     from serve_app import admin_client
     from tests.conftest import policy_of, replica_status, set_controller
 

@@ -1,4 +1,4 @@
-"""Ad hoc (2026-12-06; from the repository root: `PYTHONPATH=. .venv/bin/python bench/results/budget-cpu-variants/verify_parts.py 16`, the batch size).
+"""Ad hoc (2026-12-06; from the repository root: `PYTHONPATH=. .venv/bin/python experiments/verify_parts.py 16`, the batch size).
 Where a decode step's time goes, by policy: the target pass (forward), the logits, acceptance
 (greedy and sampled: the sampling distribution and rejection sampling), the rest of the step;
 decode-only steps (no draft node) apart from verify steps (bench requests, bf16, eager)."""

@@ -1,5 +1,5 @@
 """Ad hoc experiment (2026-12-06; run from the repository root:
-`PYTHONPATH=. .venv/bin/python bench/results/budget-cpu-variants/kept_vs_shape.py BATCHES`).
+`PYTHONPATH=. .venv/bin/python experiments/kept_vs_shape.py BATCHES`).
 
 On `auto`'s own offers (the bench's requests after its warm-up, bf16), in hindsight: the draft
 tokens the nodes it kept got accepted, against those the static tree2x2x1x1's nodes of the same

@@ -3,7 +3,7 @@
 Times `ControllerCore.report` (observe telemetry + search the policy) for a replica whose
 deployment has a fitted step-time model, over many periods; prints median and p99.
 
-    python bench/decision_time.py [--profile steps.jsonl] [--max-batch 256]
+    PYTHONPATH=. python experiments/decision_time.py [--profile steps.jsonl] [--max-batch 256]
 """
 
 from __future__ import annotations

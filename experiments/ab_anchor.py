@@ -1,5 +1,5 @@
 """Ad hoc experiment (2026-12-06; run from the repository root:
-`PYTHONPATH=. .venv/bin/python bench/results/budget-cpu-anchored-ab/ab_anchor.py ROUNDS 4,16`).
+`PYTHONPATH=. .venv/bin/python experiments/ab_anchor.py ROUNDS 4,16`).
 
 A/B in one process: auto with the default StepCost (RLS, forgetting 0.99) vs auto whose cost
 fit is weighted least squares over the recent steps plus anchor rows measured before serving

@@ -1,5 +1,5 @@
 """Ad hoc experiment (2026-12-06; run from the repository root:
-`PYTHONPATH=. .venv/bin/python bench/results/budget-cpu-variants/signal_check.py BATCHES`).
+`PYTHONPATH=. .venv/bin/python experiments/signal_check.py BATCHES`).
 
 Does the target's own confidence where a sequence's offer starts (the top probability of the
 distribution its last token, the bonus, was drawn from, at temperature 1) say more about which

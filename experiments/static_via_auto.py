@@ -1,4 +1,4 @@
-"""Ad hoc (2026-12-06; from the repository root: `PYTHONPATH=. .venv/bin/python bench/results/budget-cpu-variants/static_via_auto.py 4`, the batch size).
+"""Ad hoc (2026-12-06; from the repository root: `PYTHONPATH=. .venv/bin/python experiments/static_via_auto.py 4`, the batch size).
 auto's path with tree2x2x1x1's nodes kept (the static subset of each offer) vs the static policy
 itself vs auto: does the per-request path or the selection make the difference? (ad hoc)"""
 import sys

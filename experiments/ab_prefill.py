@@ -6,7 +6,7 @@ and RoPE, cache writes and attention in the padded layout under a causal mask. O
 SmolLM2-135M (float32, 2 threads), the same cache rows, 5 interleaved rounds, median of 3
 passes each; each prompt's last hidden state compared.
 
-    PYTHONPATH=. .venv/bin/python bench/results/native-cpu/ab_prefill.py
+    PYTHONPATH=. .venv/bin/python experiments/ab_prefill.py
 """
 
 import statistics

@@ -1,5 +1,5 @@
 """Ad hoc experiment (2026-12-06; run from the repository root:
-`PYTHONPATH=. .venv/bin/python bench/results/budget-cpu-variants/ab_variants.py ROUNDS BATCHES STATICS VARIANT...`,
+`PYTHONPATH=. .venv/bin/python experiments/ab_variants.py ROUNDS BATCHES STATICS VARIANT...`,
 e.g. `... 3 1,4,16 tree2x2x1x1,tree4x2x2x1 base NEAR_BEST=0.01`).
 
 Side by side in one process: `auto` under planner variants (overrides of native_engine.budget's

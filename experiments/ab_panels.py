@@ -5,7 +5,7 @@ process, their decode passes compiled (the graphs call the route's matmul), medi
 step (30 steps, one prompt repeated per row) at batch 1, 4 and 16 in 3 interleaved rounds;
 greedy tokens compared.
 
-    PYTHONPATH=. .venv/bin/python bench/results/native-cpu/ab_panels.py
+    PYTHONPATH=. .venv/bin/python experiments/ab_panels.py
 """
 
 import torch

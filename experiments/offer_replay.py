@@ -1,5 +1,5 @@
 """Ad hoc diagnosis (2026-12-06; run from the repository root:
-`PYTHONPATH=. .venv/bin/python bench/results/budget-cpu-variants/offer_replay.py BATCH [ROUNDS]`).
+`PYTHONPATH=. .venv/bin/python experiments/offer_replay.py BATCH [ROUNDS]`).
 
 `auto` serves the bench's requests (bench/native_budget.py: mixed, half sampled, real
 stopping, bf16) at one batch size after the bench's calibration and warm-up; every step's

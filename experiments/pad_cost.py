@@ -1,4 +1,4 @@
-"""Ad hoc (2026-12-06; from the repository root: `PYTHONPATH=. .venv/bin/python bench/results/budget-cpu-variants/pad_cost.py [profile]`).
+"""Ad hoc (2026-12-06; from the repository root: `PYTHONPATH=. .venv/bin/python experiments/pad_cost.py [profile]`).
 What padding costs a batch-16 verify pass (bf16, 2 threads, contexts of 500 tokens): the same
 real tokens laid out evenly or as one long chain among rows without drafts; median of 9 passes
 per layout, interleaved. With `profile`: torch's profiler table for the even and the one-chain

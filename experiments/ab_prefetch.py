@@ -3,7 +3,7 @@ the first block of six rows only (commit 5be3fba) against spread over all of a p
 (the current kernel). SmolLM2's linears (30 layers + lm_head, 538 MB), ms per pass of M rows,
 the two kernels interleaved, median of the repetitions after the first; outputs compared.
 
-    PYTHONPATH=. .venv/bin/python bench/results/native-cpu/ab_prefetch.py [M,M,...] [repetitions]
+    PYTHONPATH=. .venv/bin/python experiments/ab_prefetch.py [M,M,...] [repetitions]
 """
 
 import statistics

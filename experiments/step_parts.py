@@ -1,4 +1,4 @@
-"""Ad hoc (2026-12-06; from the repository root: `PYTHONPATH=. .venv/bin/python bench/results/budget-cpu-variants/step_parts.py 4`, the batch size).
+"""Ad hoc (2026-12-06; from the repository root: `PYTHONPATH=. .venv/bin/python experiments/step_parts.py 4`, the batch size).
 Where a step's time goes, auto vs tree2x2x1x1 at one batch size (bench requests, bf16)."""
 import sys, time, functools
 from pathlib import Path

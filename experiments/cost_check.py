@@ -1,4 +1,4 @@
-"""Ad hoc (2026-12-06; from the repository root: `PYTHONPATH=. .venv/bin/python bench/results/budget-cpu-variants/cost_check.py 4`, the batch size).
+"""Ad hoc (2026-12-06; from the repository root: `PYTHONPATH=. .venv/bin/python experiments/cost_check.py 4`, the batch size).
 Does the step-cost fit price static policies' steps right? (ad hoc)"""
 import sys
 from pathlib import Path

@@ -7,7 +7,7 @@ batch 1, 4 and 16 in interleaved rounds, eager and then compiled (--compile); gr
 compared. Also a chain4 verify step at batch 4 (prompt lookup), where verify passes take the
 tree kernel.
 
-    PYTHONPATH=. .venv/bin/python bench/results/native-cpu/ab_write_and_attend.py [--compile] [rounds]
+    PYTHONPATH=. .venv/bin/python experiments/ab_write_and_attend.py [--compile] [rounds]
 """
 
 import sys

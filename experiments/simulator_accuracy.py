@@ -6,7 +6,7 @@ simulator's step-time and acceptance models; the simulator then runs the same ra
 the ratio simulated / measured mean latency is printed per rate (goal: within 15%).
 
     serve run configs/app.yaml &
-    python bench/simulator_accuracy.py --rates 0.5,1,2 --requests 40
+    PYTHONPATH=. python experiments/simulator_accuracy.py --rates 0.5,1,2 --requests 40
 """
 
 from __future__ import annotations

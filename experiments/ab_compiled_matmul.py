@@ -8,7 +8,7 @@ step (30 steps, one prompt repeated per row) at batch 1, 4 and 16 in 3 interleav
 The log beside it was written before the steps were timed by bench.step_profile.median_step_ms
 (then: 4 warm-up steps, not 5, and requests of 40 tokens).
 
-    PYTHONPATH=. .venv/bin/python bench/results/native-cpu/ab_compiled_matmul.py
+    PYTHONPATH=. .venv/bin/python experiments/ab_compiled_matmul.py
 """
 import statistics
 

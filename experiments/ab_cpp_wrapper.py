@@ -8,7 +8,7 @@ script before `cpp_wrapper` became a parameter (the C++ engine compiled under
 The log beside it was written before the steps were timed by bench.step_profile.median_step_ms
 (then: 4 warm-up steps, not 5, and requests of 40 tokens).
 
-    PYTHONPATH=. .venv/bin/python bench/results/native-cpu/ab_cpp_wrapper.py
+    PYTHONPATH=. .venv/bin/python experiments/ab_cpp_wrapper.py
 """
 
 import torch

@@ -5,7 +5,7 @@ in one process, eager, then both compiled (--compile), median decode step (30 st
 repeated per row) at batch 1, 4 and 16 in interleaved rounds; greedy tokens compared; the
 machine's AnonHugePages printed.
 
-    PYTHONPATH=. .venv/bin/python bench/results/native-cpu/ab_huge_pages.py [--compile] [rounds]
+    PYTHONPATH=. .venv/bin/python experiments/ab_huge_pages.py [--compile] [rounds]
 """
 
 import sys

@@ -6,7 +6,7 @@ graph, so both sides run the same graph and weights. Median decode step (30 step
 repeated per row) at batch 1, 4 and 16, for a short prompt (about 20 tokens) and a long one
 (the short one 16 times, about 300), in 3 interleaved rounds; greedy tokens compared.
 
-    PYTHONPATH=. .venv/bin/python bench/results/native-cpu/ab_decode_attention.py
+    PYTHONPATH=. .venv/bin/python experiments/ab_decode_attention.py
 """
 
 import torch

@@ -4,7 +4,7 @@ while a request is decoding. Negative: the engine ran the new policy before the 
 had travelled back to the client (the replica applies it between two steps, then answers).
 
     serve run configs/app.yaml &   # admin routes enabled
-    python bench/policy_latency.py --url http://127.0.0.1:8000 --trials 10
+    PYTHONPATH=. python experiments/policy_latency.py --url http://127.0.0.1:8000 --trials 10
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Ad hoc A/B (run from the repository root: PYTHONPATH=. .venv/bin/python bench/results/budget-cpu-percap/ab_vs_prefix.py; 2026-12-05 00:25-00:39 UTC, its output in ab_vs_prefix.log): auto as landed (per-sequence caps) vs the previous planner (plain prefix only:
+"""Ad hoc A/B (run from the repository root: PYTHONPATH=. .venv/bin/python experiments/ab_vs_prefix.py; 2026-12-05 00:25-00:39 UTC, its output in ab_vs_prefix.log): auto as landed (per-sequence caps) vs the previous planner (plain prefix only:
 PER_SEQUENCE_CAPS emptied), interleaved with chain4 and chain2."""
 import os, statistics
 import torch

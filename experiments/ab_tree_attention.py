@@ -5,7 +5,7 @@ median of the full-batch decode steps; paths interleaved over rounds. The old pa
 current code with `decode_attention.tree_attention` replaced by torch's attention over every
 key under the additive mask (what `cached_attention` ran before).
 
-    PYTHONPATH=. .venv/bin/python bench/results/native-cpu/ab_tree_attention.py [rounds]
+    PYTHONPATH=. .venv/bin/python experiments/ab_tree_attention.py [rounds]
 """
 
 import statistics
