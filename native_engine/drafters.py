@@ -53,7 +53,8 @@ class NgramDrafter:
     name: str = "ngram"
     # Matches are cheap and bound the tree themselves: offer wide near the root and deep
     # below it (a copied line runs long). A chain-shaped offer, (2,) + (1,) * 11, did worse
-    # at batch 1 and no better at batch 4 (bench/results/budget-cpu, docs/benchmarks.md).
+    # at batch 1 and no better at batch 4 (bench/results/budget-cpu at commit 1dcc68e,
+    # and docs/benchmarks.md there).
     budget_offer: tuple[int, ...] = (4, 2, 2) + (1,) * 9
 
     def propose(self, contexts: list[list[int]], shape: TreeShape) -> list[DraftTree]:
