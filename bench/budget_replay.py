@@ -19,9 +19,9 @@ What it does, per batch size:
    `auto` warm-up set (train split) under `off` for their outputs, the engine's step-cost
    anchors (calibrate_step_cost), and --rounds runs of each policy on the test split,
    interleaved, timing every verify pass (the target's pass and the acceptance);
-2. the clock (`Clock`): verify seconds fitted to every measured pass (`auto`'s included: its
-   uneven layouts are ones no static policy runs); printed per policy: its measured tok/s, and
-   its passes' measured over clocked seconds;
+2. the clock (`fitted_clock`): the step-cost model (adaspec.step_cost) fitted to every measured
+   verify pass (`auto`'s included: its uneven layouts are ones no static policy runs);
+   printed per policy: its measured tok/s, and its passes' measured over clocked seconds;
 3. replays each policy as the engine steps (admit, draft, plan, verify, commit, prefill),
    with the engine's own drafter and planner; a step lasts the clock's verify pass plus the
    drafting and planning as timed here. `auto` starts from the anchors, is warmed up on the
@@ -56,7 +56,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import native_engine.budget as budget  # noqa: E402
-from adaspec.models import resolve_model  # noqa: E402
+from adaspec.step_cost import StepCost  # noqa: E402
+from prepare.models import resolve_model  # noqa: E402
 from bench import machine  # noqa: E402
 from bench.native_budget import (  # noqa: E402
     BUDGETED, MAX_SEQ_LEN, MODEL, POLICIES, REQUESTS, engine_for, redrawn, request_set, run,
@@ -92,42 +93,18 @@ def step_features(trees: list[DraftTree]) -> tuple[int, int]:
     return sum(len(t) + 1 for t in trees), len(trees) * (1 + max((len(t) for t in trees), default=0))
 
 
-CLOCK_PRIOR = 5.0  # a batch size's own fit is pulled towards the pooled one with this weight (ridge)
+def fitted_clock(passes: list[tuple[float, int, int, int, int]]) -> StepCost:
+    """The step-cost model over measured verify passes (seconds, seqs, tokens, padded, context),
+    each an anchor, nothing forgotten, the prior all but left out: it only has to reproduce
+    the measured passes, as closely as their timing allows. Read with
+    `seconds(..., verify_only=True)`."""
+    clock = StepCost(forgetting=1.0, prior_precision=1e-3)
+    for p in passes:
+        clock.add_anchor(*p)
+    return clock
 
 
-class Clock:
-    """Seconds of a decode step, fitted to measured steps (seconds, seqs, tokens, padded,
-    context): least squares on [1, seqs, any draft, draft tokens, draft tokens over 16, pad
-    tokens, context / 1000, seqs x context / 16000], once over every step and once per
-    number of sequences, pulled towards the pooled fit. Not the engine's StepCost: that one
-    prices what the planner may choose from anchors and recent steps; this one only has to
-    reproduce the measured steps of several policies, as closely as their timing allows."""
-
-    def __init__(self, steps: list[tuple[float, int, int, int, int]]):
-        pooled = self._solve(steps, np.zeros(8), 1e-3)
-        by_seqs: dict[int, list] = {}
-        for step in steps:
-            by_seqs.setdefault(step[1], []).append(step)
-        self.pooled = pooled
-        self.by_seqs = {n: self._solve(group, pooled, CLOCK_PRIOR) for n, group in by_seqs.items()}
-
-    @staticmethod
-    def features(seqs: int, tokens: int, padded: int, context: int) -> np.ndarray:
-        extra = tokens - seqs
-        return np.array([1.0, seqs, float(extra > 0), extra, max(extra - 16, 0), padded - seqs, context / 1000.0,
-                         seqs * context / 16000.0])
-
-    @classmethod
-    def _solve(cls, steps: list, prior: np.ndarray, weight: float) -> np.ndarray:
-        x = np.array([cls.features(*s[1:]) for s in steps])
-        y = np.array([s[0] for s in steps])
-        return np.linalg.solve(x.T @ x + weight * np.eye(x.shape[1]), x.T @ y + weight * prior)
-
-    def seconds(self, seqs: int, tokens: int, padded: int, context: int) -> float:
-        return float(self.features(seqs, tokens, padded, context) @ self.by_seqs.get(seqs, self.pooled))
-
-
-def replay(engine: NativeEngine, requests: list[dict], outputs: dict[str, list[int]], clock: Clock,
+def replay(engine: NativeEngine, requests: list[dict], outputs: dict[str, list[int]], clock: StepCost,
            oracle: bool = False) -> dict:
     """`requests` through `engine`'s policy, drafter and planner (engine.budget, changed in
     place) as NativeEngine.step runs them, each decoding sequence's tokens taken from
@@ -177,7 +154,7 @@ def replay(engine: NativeEngine, requests: list[dict], outputs: dict[str, list[i
                 else:
                     planner.undrafted_steps += 1
             host_s += time.perf_counter() - start
-            step_s = clock.seconds(len(decode), tokens, padded, context) + host_s
+            step_s = float(clock.seconds(len(decode), tokens, padded, context, verify_only=True)) + host_s
             trace.append(([len(t) for t in trees], [r.num_accepted for r in results], [len(f) for f in futures]))
             if not new:
                 planner.record_step(step_s, len(decode), tokens, padded, context)
@@ -279,7 +256,7 @@ def offering(engine: NativeEngine, offer: tuple[int, ...] | None) -> NativeEngin
     return engine
 
 
-def warmed_auto(base: NativeEngine, data: dict, batch: int, clock: Clock, offer: tuple[int, ...] | None = None
+def warmed_auto(base: NativeEngine, data: dict, batch: int, clock: StepCost, offer: tuple[int, ...] | None = None
                 ) -> NativeEngine:
     """An `auto` engine (offering `offer`) whose planner holds the anchors and has replayed the
     train split."""
@@ -328,7 +305,7 @@ def main() -> None:
     report = {"command": " ".join(sys.argv[1:]), "machine": machine.describe(), "batches": {}}
     for b in batches:
         data = store[b]
-        clock = Clock([p for passes in data["passes"].values() for p in passes])
+        clock = fitted_clock([p for passes in data["passes"].values() for p in passes])
         print(f"\nbatch {b}: policy | measured tok/s (runs) | measured / clocked verify seconds | replayed tok/s | "
               "nodes/seq | accepted length | drafting and planning, share of the replayed time")
         rates = {}
@@ -345,7 +322,7 @@ def main() -> None:
                         for outputs in data["outputs"][: args.realizations]])
             rates[policy] = r["decode_tokens_per_s"]
             passes = data["passes"].get(policy, [])
-            fit = sum(p[0] for p in passes) / sum(clock.seconds(*p[1:]) for p in passes) if passes else float("nan")
+            fit = sum(p[0] for p in passes) / sum(clock.seconds(*p[1:], verify_only=True) for p in passes) if passes else float("nan")
             measured = ", ".join(f"{x:.1f}" for x in data["measured"].get(policy, [])) or "-"
             report["batches"].setdefault(b, {})[policy] = {
                 **r, "measured_tokens_per_s": data["measured"].get(policy, []),

@@ -71,11 +71,10 @@ class SimulatedEngine:
         proposal_rate = 1.0 if proposal_rate is None else proposal_rate
         configs = candidate_configs(max_k, supports_trees=False)
         table = CostTable.build(step_model, configs, max_batch, context_per_seq, 0.0, proposal_rate)
-        coef = step_model.coef if step_model.coef is not None else step_model.prior_coef
         given_draft = list(acceptance)
         if given_draft and proposal_rate > 0:
             given_draft[0] = min(1.0, given_draft[0] / proposal_rate)
-        return cls(configs, table.step_s.tolist(), float(coef[3]), given_draft, max_batch, max_k, model_id,
+        return cls(configs, table.step_s.tolist(), step_model.prefill_s_per_token, given_draft, max_batch, max_k, model_id,
                    proposal_rate)
 
     @functools.cached_property

@@ -8,9 +8,11 @@ Features of a step (AdaTree; docs/papers.md section 3):
 - context_tokens: KV tokens the batch attends to
 - prefill_tokens: prompt tokens processed in the same step
 
-The model is a linear roofline fitted by non-negative least squares (so never faster with
-more of anything, and it extrapolates: a controller that has only seen chain3 at batch 48
-must still price `off` there), times a learned correction: once `min_samples_xgb` steps are
+The model is the project's one step-cost model (adaspec.step_cost), its columns that a step's
+telemetry can tell apart (ROOFLINE_COLUMNS: fixed, per token, per KV token, per prefill token,
+per drafter pass), fitted by non-negative least squares over the deployment's whole history
+(so never faster with more of anything, and it extrapolates: a controller that has only seen
+chain3 at batch 48 must still price `off` there), times a learned correction: once `min_samples_xgb` steps are
 known, an XGBoost regressor fits the log-ratio of measured to roofline time (the non-linear
 memory-bound -> compute-bound knee), starting from the roofline as its base margin. Before
 any data, a prior roofline. `monotone_table` enforces the physics on predictions the
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from adaspec import step_cost
 from adaspec.policy import SpecConfig
 from adaspec.telemetry import StepRecord
 
@@ -68,10 +71,22 @@ XGB_PARAMS = {"max_depth": 4, "eta": 0.05, "subsample": 0.9, "tree_method": "his
               "objective": "reg:squarederror", "nthread": 1, "seed": 0}
 
 
+# The step-cost model's columns the controller fits. It sees a step's tokens, not its layout
+# (no padding, no verify pass timed alone); the memory-bound -> compute-bound knee is left to
+# the learned correction, and per-sequence and first-draft terms stay out: fitted on one batch
+# size they decide how the roofline extrapolates to others (same held-out error on the
+# committed profiles either way; docs/controller.md).
+ROOFLINE_COLUMNS = ("fixed", "tokens", "context_per_1000", "prefill_tokens", "draft_passes", "draft_passes_x_seqs")
+_ROOFLINE_INDEX = [step_cost.COLUMN[c] for c in ROOFLINE_COLUMNS]
+# The controller's coefficients are per KV token, not per thousand: its checkpoints hold them so.
+_ROOFLINE_UNITS = np.array([1.0, 1.0, 1000.0, 1.0, 1.0, 1.0])
+
+
 def _roofline_design(x: np.ndarray) -> np.ndarray:
-    """Columns of the linear roofline: fixed cost, target tokens, KV reads, prefill, drafting."""
-    batch, tokens, passes, context, prefill = x.T
-    return np.column_stack([np.ones(len(x)), batch * tokens, context, prefill, passes, passes * batch])
+    """The roofline's design rows (ROOFLINE_COLUMNS of adaspec.step_cost) for rows of FEATURES."""
+    batch, tokens_per_seq, passes, context, prefill = x.T
+    tokens = batch * tokens_per_seq
+    return step_cost.features(batch, tokens, tokens, context, prefill, passes)[:, _ROOFLINE_INDEX] * _ROOFLINE_UNITS
 
 
 @dataclass
@@ -80,7 +95,8 @@ class StepTimeModel:
 
     min_samples_xgb: int = 200
     max_samples: int = 50_000
-    prior_coef: tuple[float, ...] = (0.05, 0.002, 0.0, 0.0002, 0.005, 0.0)  # seconds per unit
+    # Seconds per unit of ROOFLINE_COLUMNS: fixed, token, KV token, prefill token, drafter pass, pass x sequence.
+    prior_coef: tuple[float, ...] = (0.05, 0.002, 0.0, 0.0002, 0.005, 0.0)
     x: list[list[float]] = dataclasses.field(default_factory=list)
     y: list[float] = dataclasses.field(default_factory=list)
     coef: np.ndarray | None = None
@@ -134,6 +150,12 @@ class StepTimeModel:
         if self.booster is not None:
             return np.exp(self.booster.inplace_predict(x, base_margin=self._log_roofline(x)))
         return np.exp(self._log_roofline(x))
+
+    @property
+    def prefill_s_per_token(self) -> float:
+        """The fit's seconds per prompt token prefilled."""
+        coef = self.coef if self.coef is not None else self.prior_coef
+        return float(coef[ROOFLINE_COLUMNS.index("prefill_tokens")])
 
     def _log_roofline(self, x: np.ndarray) -> np.ndarray:
         coef = self.coef if self.coef is not None else np.asarray(self.prior_coef)

@@ -9,7 +9,7 @@ A step under `auto` or `budgetN` (adaspec.policy) works in three moves:
    maximise predicted tokens per second (`best_budget`):
        (n + sum of the first B p's) / t(n sequences, n + B tokens, longest tree)
    where each of the n sequences gains its bonus token and t is the engine's own step-cost
-   fit (`StepCost`). B = 0 is a valid answer; `budgetN` caps B at N. Attention runs over
+   fit (`adaspec.step_cost.StepCost`). B = 0 is a valid answer; `budgetN` caps B at N. Attention runs over
    every row padded to the longest tree, so nodes per row are a cost of their own: the best
    set is not always a prefix of the batch's order (a greedy copy's deep chain ranks above
    every other row's first node, and makes all rows long). `best_selection` also tries the
@@ -67,6 +67,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from adaspec.step_cost import StepCost
 from native_engine.requests import Request, SamplingParams
 from native_engine.tree import DraftTree, subtree
 from native_engine.verify import Acceptance
@@ -160,7 +161,6 @@ class Calibration:
         self.accepted *= CALIBRATION_DECAY
 
 
-COST_KNOTS = (8, 32, 128)  # tokens per step where the marginal cost of a token may change
 # A budget this close to the best predicted rate counts as a tie. 3% before: at batch 1, where
 # a node costs about 1 ms of a 21 ms step, it left a fifth of the acceptable draft tokens
 # unverified (docs/benchmarks.md, The anchored step cost in the engine).
@@ -168,112 +168,6 @@ NEAR_BEST = 0.01
 # The caps on nodes per sequence best_selection tries (besides no cap): every small one, then
 # a few larger, so a 64-node offer costs about a dozen evaluations, not 64.
 PER_SEQUENCE_CAPS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48)
-
-
-# The prior's precision: 1 s of standard deviation per coefficient, so a few steps outweigh it;
-# it fades with the recent steps' weight, and a floor of it keeps the solve well-posed.
-PRIOR_PRECISION = 1.0
-PRIOR_FLOOR = 1e-6
-ANCHOR_SPREAD = 16.0  # an anchor's weight falls this much per doubling between its batch size and the step's
-
-
-@dataclass
-class StepCost:
-    """Step seconds as a piecewise-linear function of the tokens verified (the slope may change
-    at COST_KNOTS: flat while the weights' memory traffic dominates, steeper once compute
-    does), plus terms per sequence, per padded token (attention runs over every row padded
-    to the longest tree: one deep tree makes every row's attention longer), per thousand
-    KV tokens attended, and a step for verifying any draft at all: a pass of one token per
-    row takes another path than a verify pass (the compiled graph under compile_decode, the
-    one-token matmul layout eagerly), so the first node costs more than the next ones.
-
-    Fitted by weighted least squares over two sets of passes:
-    - the engine's own decode steps, weighted forgetting ** age (about the last 100), so the
-      fit follows the regime the engine runs in now;
-    - anchors (`add_anchor`): verify passes of set tree layouts the engine timed before
-      serving (NativeEngine.calibrate_step_cost), never forgotten. The engine's own steps
-      alone are nearly collinear (under one policy the tokens, the padding and the
-      sequences move together), and a fit on them alone extrapolates to the budgets it did
-      not run: measured on SmolLM2-135M at batch 4, it priced a node per sequence at 5.7 ms
-      where it cost 3.1 (docs/native-engine.md, Anchored step cost). An anchor times the
-      verify pass only, not the drafting and planning around it: a column of its own (zero
-      when predicting) takes that difference up, the engine's steps pinning the level
-      and the anchors the slopes. One linear model does not fit every batch size alike
-      (the marginal node at batch 1 costs a fraction of what the global fit says), so the
-      fit is solved per batch size, an anchor counting ANCHOR_SPREAD times less per
-      doubling between its batch size and the one predicted.
-    The prior (`prior`, the initial coefficients) fades like the oldest step."""
-
-    forgetting: float = 0.99
-    prior: np.ndarray = field(default_factory=lambda: np.array(
-        [0.02, 0.002, 0.001] + [0.002] * len(COST_KNOTS) + [0.0005, 0.001, 0.0, 0.0]))
-    samples: int = 0  # decode steps added
-
-    def __post_init__(self) -> None:
-        n = len(self.prior)
-        self._recent = (PRIOR_PRECISION * np.eye(n), PRIOR_PRECISION * self.prior)  # decayed X'WX, X'Wy
-        self._anchored: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # batch size -> X'X, X'y of its anchors
-        self._solved: dict[int, np.ndarray] = {}  # batch size -> coefficients, until the next pass added
-        # Every anchor as added, (seconds, seqs, tokens, padded_tokens, context_tokens): what
-        # NativeEngine.load_or_calibrate_step_cost caches for the next engine of the same layout.
-        self.anchor_passes: list[tuple[float, int, int, int, int]] = []
-
-    @property
-    def anchors(self) -> int:
-        """Anchor passes added."""
-        return len(self.anchor_passes)
-
-    @staticmethod
-    def features(seqs, tokens, padded_tokens, context_tokens: int, anchor: bool = False) -> np.ndarray:
-        """[..., features] for scalars or arrays of token counts; `anchor`: a timed verify
-        pass alone (add_anchor), not a whole step."""
-        tokens = np.asarray(tokens, dtype=float)
-        cols = [np.ones_like(tokens), np.full_like(tokens, float(seqs)), tokens]
-        cols += [np.maximum(tokens - k, 0.0) for k in COST_KNOTS]
-        cols += [np.broadcast_to(np.asarray(padded_tokens, dtype=float), tokens.shape),
-                 np.full_like(tokens, context_tokens / 1000.0), (tokens > seqs).astype(float)]
-        cols.append(np.full_like(tokens, float(anchor)))
-        return np.stack(cols, axis=-1)
-
-    def add(self, duration_s: float, seqs: int, tokens: int, padded_tokens: int, context_tokens: int) -> None:
-        """A decode step's measured seconds."""
-        x = self.features(seqs, tokens, padded_tokens, context_tokens)
-        a, b = self._recent
-        self._recent = (self.forgetting * a + np.outer(x, x), self.forgetting * b + duration_s * x)
-        self.samples += 1
-        self._solved.clear()
-
-    def add_anchor(self, duration_s: float, seqs: int, tokens: int, padded_tokens: int, context_tokens: int) -> None:
-        """A verify pass's measured seconds (no drafting, planning or committing around it)."""
-        x = self.features(seqs, tokens, padded_tokens, context_tokens, anchor=True)
-        n = len(self.prior)
-        a, b = self._anchored.get(seqs, (np.zeros((n, n)), np.zeros(n)))
-        self._anchored[seqs] = (a + np.outer(x, x), b + duration_s * x)
-        self.anchor_passes.append((duration_s, seqs, tokens, padded_tokens, context_tokens))
-        self._solved.clear()
-
-    def coefficients(self, seqs: int) -> np.ndarray:
-        """The fit's coefficients for steps of `seqs` sequences."""
-        if seqs not in self._solved:
-            a = self._recent[0] + PRIOR_FLOOR * np.eye(len(self.prior))
-            b = self._recent[1] + PRIOR_FLOOR * self.prior
-            for size, (aa, ab) in self._anchored.items():
-                weight = ANCHOR_SPREAD ** -abs(np.log2(size / seqs))
-                a, b = a + weight * aa, b + weight * ab
-            self._solved[seqs] = np.linalg.solve(a, b)
-        return self._solved[seqs]
-
-    def seconds(self, seqs: int, tokens, padded_tokens, context_tokens: int):
-        return self.features(seqs, tokens, padded_tokens, context_tokens) @ self.coefficients(seqs)
-
-    def step_seconds(self, seqs: int, context_tokens: int, longest: np.ndarray) -> np.ndarray:
-        """[B] predicted seconds of a step verifying B = 0..len(longest) - 1 draft nodes
-        besides the sequences' roots, the longest tree then holding longest[B] nodes; never
-        decreasing in B (more work is never faster) and never below 10 µs per extra node."""
-        nodes = np.arange(len(longest))
-        raw = self.seconds(seqs, seqs + nodes, seqs * (1 + longest), context_tokens)
-        floor = raw[0] + 1e-5 * nodes
-        return np.maximum.accumulate(np.maximum(raw, floor))
 
 
 def best_budget(sorted_p: list[float], seqs: int, step_seconds: np.ndarray) -> int:

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from adaspec import step_cost
 from adaspec.policy import SpecPolicy
-from bench.budget_replay import Clock, accept_along, replay
+from bench.budget_replay import accept_along, fitted_clock, replay
 from bench.native_budget import redrawn
 from native_engine.drafters import NgramDrafter
 from native_engine.engine import EngineConfig, NativeEngine
@@ -50,19 +51,20 @@ def test_acceptance_is_the_greedy_rule_when_the_output_is_the_targets_argmax():
         assert accept_greedy(tree.children(), tree.tokens, argmax).tokens == result.tokens
 
 
-def test_the_clock_reproduces_steps_that_follow_its_features():
+def test_the_clock_reproduces_passes_that_follow_the_step_cost_model():
     rng = random.Random(1)
-    truth = np.array([0.004, 0.0011, 0.003, 0.0006, 0.0002, 0.0001, 0.0015, 0.0004])
-    steps = []
+    truth = step_cost.coefficients(fixed=0.004, seqs=0.0011, tokens=0.0006, tokens_over_32=0.0002, padded_tokens=0.0001,
+                                   context_per_1000=0.0015, any_draft=0.003)
+    passes = []
     for _ in range(400):
         seqs = rng.randrange(1, 9)
         tokens = seqs + rng.choice([0, 0, rng.randrange(1, 40)])
         padded = seqs * (1 + rng.randrange(0, tokens - seqs + 1))
         context = seqs * rng.randrange(20, 600)
-        steps.append((float(Clock.features(seqs, tokens, padded, context) @ truth), seqs, tokens, padded, context))
-    clock = Clock(steps)
-    assert max(abs(clock.seconds(*s[1:]) - s[0]) for s in steps) < 2e-4  # the prior's pull: at most 0.2 ms
-    assert clock.seconds(4, 4, 4, 1200) < clock.seconds(4, 5, 8, 1200)  # a draft node costs
+        passes.append((float(step_cost.features(seqs, tokens, padded, context) @ truth), seqs, tokens, padded, context))
+    clock = fitted_clock(passes)
+    assert max(abs(clock.seconds(*p[1:], verify_only=True) - p[0]) for p in passes) < 2e-4  # the prior's pull
+    assert clock.seconds(4, 4, 4, 1200, verify_only=True) < clock.seconds(4, 5, 8, 1200, verify_only=True)
 
 
 @pytest.mark.parametrize("policy", ["off", "chain4", "tree2x2x1x1"])
@@ -82,7 +84,7 @@ def test_a_replay_steps_as_the_engine_does(policy):
         for out in engine.step():
             outputs[out.request_id] += out.new_token_ids
     real = [(s.nodes_per_seq, s.accepted_per_seq) for s in engine.drain().steps if s.num_decode_reqs]
-    clock = Clock([(0.01 + 0.001 * t, n, t, n * 4, 100 * n) for n in (1, 2, 3) for t in range(n, n + 9)])
+    clock = fitted_clock([(0.01 + 0.001 * t, n, t, n * 4, 100 * n) for n in (1, 2, 3) for t in range(n, n + 9)])
     fresh = NativeEngine(target, NgramDrafter(max_n=3, min_n=1), EngineConfig(max_batch_size=3, max_seq_len=256),
                          SpecPolicy.parse(policy))
     replayed = replay(fresh, requests, outputs, clock)["steps"]
