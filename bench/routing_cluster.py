@@ -1,5 +1,5 @@
 """The speculation-aware router against Ray Serve's power-of-two router, measured on a real
-multi-node Ray cluster on this machine (bench.loopback_cluster: one node per replica), with
+multi-node Ray cluster on this machine (testkit.loopback_cluster: one node per replica), with
 the same trace for both, and the simulator's prediction for the same fleet beside it.
 
 Each round deploys `configs/app-cluster.yaml` (native-engine replicas, one per node, the
@@ -39,10 +39,10 @@ from adaspec.datasets import load_prompts
 from bench import machine
 from bench.client import SYNTHETIC, arrivals_until, realistic_mix, run_load
 from bench.compare import bootstrap_ratio, mean, p99
-from bench.loopback_cluster import LoopbackCluster, NodeSpec
 from bench.metrics import tpot_s
-from bench.serve_process import REPO, ServeProcess
 from serve_app import admin_client
+from testkit.loopback_cluster import LoopbackCluster, NodeSpec
+from testkit.serve_process import REPO, ServeProcess
 
 URL = "http://127.0.0.1:8003"  # configs/app-cluster.yaml's http_options
 MODEL = "smollm2-135m-instruct"

@@ -34,7 +34,7 @@ from pydantic import BaseModel, Field
 
 from serve_app import admin_client
 from bench import machine
-from bench.serve_process import ServeProcess
+from testkit.serve_process import ServeProcess
 from bench.client import RequestMix, RequestResult, arrival_times
 from bench.metrics import tpot_s
 from adaspec.datasets import load_prompts

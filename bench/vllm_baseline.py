@@ -40,7 +40,7 @@ from pathlib import Path
 
 import psutil
 
-from bench.serve_process import session_processes
+from testkit.serve_process import session_processes
 
 
 def worker_cores(threads: int) -> str:

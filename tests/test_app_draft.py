@@ -13,9 +13,11 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import MODEL, app_in_own_cluster, push_policy, replica_status, set_controller, wait_until
-from tests.serve_process import ServeProcess
-from tests.test_serve_app import _counter
+from testkit.apps import app_in_own_cluster
+from testkit.clients import MODEL, push_policy, replica_status, set_controller
+from testkit.metrics import counter_sum
+from testkit.serve_process import ServeProcess
+from testkit.waits import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +44,7 @@ def client(draft_server):
 
 def _counters(server: ServeProcess) -> tuple[float, float]:
     text = server.metrics_text()
-    return _counter(text, DRAFTED), _counter(text, ACCEPTED)
+    return counter_sum(text, DRAFTED), counter_sum(text, ACCEPTED)
 
 
 def test_replica_speculates_with_a_draft_model(client):

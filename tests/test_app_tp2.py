@@ -19,8 +19,11 @@ import psutil
 import pytest
 
 from adaspec.models import resolve_model, tokenizer_folder
-from tests.conftest import app_in_own_cluster, complete, replica_status, set_controller, wait_until
-from tests.test_live_policy import PROMPTS, REPETITIVE, _drafted_depth, _steps, check_acceptance_agrees_with_vllm
+from testkit.apps import app_in_own_cluster
+from testkit.clients import complete, drafted_depth, replica_status, replica_steps, set_controller
+from testkit.metrics import check_acceptance_agrees_with_vllm
+from testkit.prompts import PROMPTS, REPETITIVE
+from testkit.waits import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -84,9 +87,9 @@ def test_policy_set_changes_k_live_and_steps_agree_with_vllm_counters(tp_server,
             assert res.returncode == 0 and "applied" in res.stdout, res.stdout + res.stderr
             version = replica_status(client)[0]["policy"]["version"]
             _complete(client, REPETITIVE, max_tokens=40)
-            steps = _steps(client, version)
+            steps = replica_steps(client, version)
             assert steps and {s["config"] for s in steps} == {table}
-            assert max(_drafted_depth(s) for s in steps) == depth
+            assert max(drafted_depth(s) for s in steps) == depth
 
         check_acceptance_agrees_with_vllm(tp_server, client, lambda prompt: _complete(client, prompt, max_tokens=40))
     finally:

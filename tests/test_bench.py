@@ -434,7 +434,7 @@ def test_adaspec_profile_against_the_server(server, client, tmp_path):
     dataset at once; the steps it saves ran each k at that batch, and the policy in force and
     the controller's state are given back afterwards."""
     from adaspec.telemetry import read_profile
-    from tests.conftest import policy_of, push_policy, replica_status, set_controller
+    from testkit.clients import policy_of, push_policy, replica_status, set_controller
 
     was_paused = client.get("/admin/controller").json()["paused"]
     set_controller(client, "pause")  # held still, so the policy given back is the one pushed here
@@ -469,7 +469,7 @@ def test_a_sweeps_adaptive_cell_starts_under_the_controllers_policy(server, clie
     under its table (the start table ran a burst's first steps before: docs/benchmarks.md)."""
     from bench.policies import apply_policy, resolve
     from serve_app import admin_client
-    from tests.conftest import policy_of, replica_status, set_controller
+    from testkit.clients import policy_of, replica_status, set_controller
 
     was_paused = client.get("/admin/controller").json()["paused"]
     # Never the controller's: its tables change config only between its batch buckets (1, 2,

@@ -1,5 +1,5 @@
 """adaspec as a cluster, through the real stack: a two-node Ray cluster started with
-`ray start` on loopback (bench.loopback_cluster), `serve run configs/app-cluster.yaml`
+`ray start` on loopback (testkit.loopback_cluster), `serve run configs/app-cluster.yaml`
 against it (two native-engine replicas, one controller), real HTTP.
 
 One app serves every test here, on conftest's `cluster` (shared with the other cluster
@@ -17,13 +17,12 @@ import ray
 import yaml
 
 from adaspec.policy import SpecConfig
-from bench.loopback_cluster import LoopbackCluster, NodeSpec
 from serve_app import admin_client
-from tests.conftest import (
-    MODEL, ClosedLoopClients, app_on_cluster, check_replicas_on_own_nodes_serve_and_get_policies, complete_text,
-    wait_until,
-)
-from tests.serve_process import REPO, ServeProcess
+from testkit.apps import app_on_cluster, check_replicas_on_own_nodes_serve_and_get_policies
+from testkit.clients import MODEL, ClosedLoopClients, complete_text
+from testkit.loopback_cluster import LoopbackCluster, NodeSpec
+from testkit.serve_process import REPO, ServeProcess
+from testkit.waits import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -185,7 +184,7 @@ def test_router_sends_requests_to_the_replica_that_speculates_well(app):
 
 
 def _node_names() -> dict[str, str]:
-    """Ray node id -> the name bench.loopback_cluster gave it (its `node:<name>` resource)."""
+    """Ray node id -> the name testkit.loopback_cluster gave it (its `node:<name>` resource)."""
     names = {}
     for node in ray.nodes():
         for resource in node["Resources"]:

@@ -12,8 +12,9 @@ import pytest
 import yaml
 
 from serve_app import admin_client
-from tests.conftest import MODEL, ClosedLoopClients, wait_until
-from tests.serve_process import REPO, ServeProcess
+from testkit.clients import MODEL, ClosedLoopClients
+from testkit.serve_process import REPO, ServeProcess
+from testkit.waits import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +34,7 @@ def autoscaling_app(cluster, tmp_path_factory) -> ServeProcess:
     proc = ServeProcess(config, URL, workdir / "serve.log", env=cluster.join_env())
     proc.start()
     try:
-        proc.wait_ready(MODEL, timeout_s=600)
+        proc.wait_ready(MODEL)
     except BaseException:
         proc.stop()
         raise

@@ -14,10 +14,12 @@ import time
 import pytest
 import yaml
 
-from bench.loopback_cluster import LoopbackCluster, NodeSpec
 from serve_app import admin_client
-from tests.conftest import MODEL, app_on_cluster, wait_until
-from tests.serve_process import REPO, ServeProcess
+from testkit.apps import app_on_cluster
+from testkit.clients import MODEL
+from testkit.loopback_cluster import LoopbackCluster, NodeSpec
+from testkit.serve_process import REPO, ServeProcess
+from testkit.waits import wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from bench.loopback_cluster import LoopbackCluster
 from serve_app import admin_client
-from tests.conftest import app_on_cluster, check_replicas_on_own_nodes_serve_and_get_policies
-from tests.serve_process import REPO, ServeProcess
+from testkit.apps import app_on_cluster, check_replicas_on_own_nodes_serve_and_get_policies
+from testkit.loopback_cluster import LoopbackCluster
+from testkit.serve_process import REPO, ServeProcess
 
 pytestmark = pytest.mark.slow
 

@@ -26,7 +26,7 @@ from controller.config import ControllerConfig
 from controller.core import ControllerCore
 from controller.simulate import engine_from_checkpoint
 from controller.state import Deployment, Replica
-from tests.test_controller_core import SimulatedReplica
+from testkit.simulated_replica import SimulatedReplica
 
 CONFIG = ControllerConfig(enabled=True, half_life_s=5.0)
 # Features (batch, tokens per sequence, draft passes, context tokens, prefill tokens) around

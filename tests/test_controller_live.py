@@ -22,10 +22,9 @@ from adaspec.policy import SpecConfig
 from controller.actor import NAMESPACE, get_controller
 from controller.checkpoint_file import CHECKPOINT_FILE
 from controller.view import ControllerView
-from tests.conftest import (
-    MODEL, URL, ClosedLoopClients, complete, push_policy, replica_status, set_controller, wait_until,
-)
-from tests.serve_process import session_processes
+from testkit.clients import MODEL, URL, ClosedLoopClients, complete, push_policy, replica_status, set_controller
+from testkit.serve_process import session_processes
+from testkit.waits import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -255,7 +254,7 @@ def test_killed_engine_fails_in_flight_requests_cleanly_and_serve_replaces_the_r
             return None
         return reports if reports and reports[0]["replica_id"] != old["replica_id"] else None
 
-    (new,) = wait_until(replaced, "Serve replacing the replica whose engine died", 600, interval_s=2)
+    (new,) = wait_until(replaced, "Serve replacing the replica whose engine died", 480, interval_s=2)
     served_s = time.monotonic() - killed_at
     assert complete(client, "Hello", max_tokens=4)["choices"][0]["text"] is not None
     view = wait_until(lambda: (v := ControllerView.model_validate(client.get("/admin/controller").json())) and

@@ -1,6 +1,6 @@
 """Step-time model, latency model and policy search, on a synthetic engine (no Ray, no vLLM).
 
-`synthetic_step_time` is a stand-in for a real engine's cost: a memory-bound floor and a
+`synthetic_step_time` (testkit.simulated_replica) is a stand-in for a real engine's cost: a memory-bound floor and a
 compute slope in batch x tokens (the Su et al. shape), used to check that the models learn
 it and that the search picks long chains for small batches and none for large ones."""
 
@@ -24,12 +24,7 @@ from controller.policy_search import (
     CostTable, Objective, batch_buckets, bucket_of, candidate_configs, policy_speed, search_policy,
 )
 from controller.step_time import StepTimeModel
-
-
-def synthetic_step_time(batch, tokens, passes, context, prefill):
-    """Seconds: max(memory floor, compute) + KV reads + drafting, the roofline's knee."""
-    compute = 0.0009 * batch * tokens
-    return max(0.04, compute) + 2e-6 * context + 0.00005 * prefill + 0.002 * passes
+from testkit.simulated_replica import synthetic_step_time
 
 
 def synthetic_steps(rng, n=600):

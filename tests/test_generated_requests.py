@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from serve_app.ray_llm import ChatCompletionRequest, CompletionRequest
-from tests.conftest import MODEL
+from testkit.clients import MODEL
 
 pytestmark = pytest.mark.slow
 

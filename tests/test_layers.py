@@ -20,6 +20,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("native_engine", "controller"),  # the native engine; the controller's math and actor
     ("serve_app",),                  # the Ray Serve application and its engine adapters
     ("distill",),                    # draft-model distillation
+    ("testkit",),                    # what the real-stack tests and the benchmark harness share
     ("bench",),                      # benchmarks
     ("cli",),                        # the `adaspec` command
 ]

@@ -17,8 +17,11 @@ from pathlib import Path
 import pytest
 
 from adaspec.policy import SpecConfig, SpecPolicy
-from tests.conftest import (MODEL, URL, complete, policy_of, push_policy, replica_status, set_controller,
-                            wait_until)
+from testkit.clients import (MODEL, URL, complete, drafted_depth, policy_of, push_policy, replica_status,
+                             replica_steps, set_controller)
+from testkit.metrics import check_acceptance_agrees_with_vllm
+from testkit.prompts import PROMPTS, REPETITIVE
+from testkit.waits import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -33,27 +36,13 @@ def controller_paused(server):
         yield
         set_controller(c, "resume")
 
-REPETITIVE = "one two three four five six, one two three four five six, one two three four"
-PROMPTS = [REPETITIVE, "The capital of France is", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"]
+
 ADASPEC = str(Path(sys.executable).parent / "adaspec")
 
 
 def _applied_version(acks: list[dict]) -> int:
     assert acks and all(a["status"] == "applied" for a in acks), acks
     return acks[0]["version_in_force"]
-
-
-def _steps(client, version: int | None = None, since: float | None = None) -> list[dict]:
-    steps = replica_status(client)[0]["steps"]
-    if version is not None:
-        steps = [s for s in steps if s["policy_version"] == version]
-    if since is not None:
-        steps = [s for s in steps if s["time"] - s["duration_s"] > since]
-    return sorted(steps, key=lambda s: s["time"])
-
-
-def _drafted_depth(step: dict) -> int:
-    return sum(1 for n in step["drafted_per_pos"] if n > 0)
 
 
 class InFlight:
@@ -91,10 +80,10 @@ def _running_in_engine(client, n: int) -> bool:
 def test_chain4_steps_draft_four_tokens(client):
     version = _applied_version(push_policy(client, "chain4"))
     complete(client, REPETITIVE, max_tokens=48)
-    steps = _steps(client, version)
+    steps = replica_steps(client, version)
     assert steps, "no steps recorded under the new policy"
     assert {s["config"] for s in steps} == {"chain4"}
-    assert max(_drafted_depth(s) for s in steps) == 4
+    assert max(drafted_depth(s) for s in steps) == 4
 
 
 def test_off_takes_effect_at_the_next_step_while_requests_flow(client):
@@ -104,7 +93,7 @@ def test_off_takes_effect_at_the_next_step_while_requests_flow(client):
     # switch below is pushed a few polls after the first drafting step. (256 tokens, 52 steps,
     # once ended before the switch on a CI machine whose steps were fast.)
     request = InFlight(client, max_tokens=1024)
-    wait_until(lambda: [s for s in _steps(client, since=start) if s["config"] == "chain4" and s["num_drafts"] > 0],
+    wait_until(lambda: [s for s in replica_steps(client, since=start) if s["config"] == "chain4" and s["num_drafts"] > 0],
                "a decode step of the request drafting under chain4")
     acks = push_policy(client, "off")
     returned_at = time.time()
@@ -112,7 +101,7 @@ def test_off_takes_effect_at_the_next_step_while_requests_flow(client):
     assert request.running, "the request finished before the switch; it must be longer"
     assert request.join()["usage"]["completion_tokens"] == 1024  # the request was not disturbed
 
-    after = _steps(client, since=returned_at)
+    after = replica_steps(client, since=returned_at)
     # Still running when the switch returned, so the rest of its tokens came one per step.
     assert len(after) >= 10, f"only {len(after)} steps after the switch"
     # Every step that started after apply_policy returned runs the new policy...
@@ -135,13 +124,13 @@ def test_mixed_table_follows_the_running_batch_size(client):
     short = InFlight(client, max_tokens=48)
     for r in (short, *long_ones):
         r.join()
-    steps = _steps(client, version)
+    steps = replica_steps(client, version)
     assert len({s["batch_size"] for s in steps}) >= 2, "the batch size never changed"
     for s in steps:
         assert s["config"] == str(policy.config_for(s["batch_size"])), s
     # Drafts verified in a step were proposed under the previous step's config.
     for prev, cur in zip(steps, steps[1:]):
-        assert _drafted_depth(cur) <= SpecConfig.parse(prev["config"]).depth, (prev, cur)
+        assert drafted_depth(cur) <= SpecConfig.parse(prev["config"]).depth, (prev, cur)
     # Each finished request is recorded with the config that ran most of its steps: the
     # shortest ran at batch 3 (off) throughout, the longest finished alone.
     since = min(s["time"] for s in steps) - 30
@@ -164,54 +153,6 @@ def test_invalid_policies_are_rejected_and_the_old_one_stays(client):
     assert resp.status_code == 400 and "chainX" in resp.json()["error"]["message"]
     status = replica_status(client)[0]
     assert policy_of(status).version == version and str(policy_of(status)) == "1+:chain2"
-
-
-def _per_pos_counter(metrics: str, name: str) -> dict[int, float]:
-    out: dict[int, float] = {}
-    for m in re.finditer(rf'^{name}{{([^}}]*)}} (\S+)$', metrics, re.M):
-        pos = re.search(r'position="(\d+)"', m.group(1))
-        if pos:
-            out[int(pos.group(1))] = out.get(int(pos.group(1)), 0.0) + float(m.group(2))
-    return out
-
-
-def _settled_counter(server, name: str, quiet_s: float = 12.0) -> dict[int, float]:
-    """The counter once it has not moved for `quiet_s`: longer than Ray's metrics export
-    period (10 s by default), so no increment of an earlier test is still on its way."""
-    seen = {"value": _per_pos_counter(server.metrics_text(), name), "since": time.monotonic()}
-
-    def quiet() -> tuple[dict[int, float]] | None:  # a tuple: an empty counter (none exported yet) is an answer
-        now = _per_pos_counter(server.metrics_text(), name)
-        if now != seen["value"]:
-            seen.update(value=now, since=time.monotonic())
-        return (now,) if time.monotonic() - seen["since"] >= quiet_s else None
-
-    return wait_until(quiet, f"{name} still for {quiet_s:.0f} s", interval_s=1.0)[0]
-
-
-def check_acceptance_agrees_with_vllm(server, client, send) -> None:
-    """Send PROMPTS with `send(prompt)` and check that the replica's step records count the
-    same accepted tokens per position as vLLM's own counters."""
-    name = "ray_vllm_spec_decode_num_accepted_tokens_per_pos_total"
-    before = _settled_counter(server, name)
-    start = time.time()
-    for prompt in PROMPTS:
-        send(prompt)
-    ours: dict[int, int] = {}
-    for s in _steps(client, since=start):
-        for pos, n in enumerate(s["accepted_per_pos"]):
-            ours[pos] = ours.get(pos, 0) + n
-    assert sum(ours.values()) > 0, "nothing was accepted; the check would be empty"
-
-    def theirs() -> dict[int, int]:
-        after = _per_pos_counter(server.metrics_text(), name)
-        delta = {p: int(after.get(p, 0) - before.get(p, 0)) for p in set(after) | set(ours)}
-        return {p: n for p, n in delta.items() if n or p in ours}
-
-    # Ray exports vLLM's counters periodically: wait until they have caught up with ours.
-    wait_until(lambda: sum(theirs().values()) >= sum(ours.values()),
-               f"vLLM's accepted-token counters reaching adaspec's {sum(ours.values())}")
-    assert theirs() == ours, f"vLLM counted {theirs()}, adaspec telemetry {ours}"
 
 
 def test_acceptance_agrees_with_vllm_counters(server, client):

@@ -21,7 +21,7 @@ from native_engine.testing import tiny_args
 from serve_app.config import AppConfig
 from serve_app.native_loop import EngineLoop
 from serve_app.native_openai import IncrementalText
-from tests.serve_process import REPO
+from testkit.serve_process import REPO
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -13,7 +13,7 @@ import torch
 
 from native_engine.requests import SamplingParams
 from native_engine.testing import reference_greedy
-from tests.test_native_engine import SHAPES, _engine, _run_mixed, make_draft, make_prompts, make_target
+from testkit.tiny_engine import SHAPES, engine_for, make_draft, make_prompts, make_target, run_mixed
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -39,7 +39,7 @@ def prompts():
 @pytest.mark.parametrize("shape", SHAPES)
 def test_float32_greedy_equals_the_targets_own_decoding(on_cuda, prompts, drafter, shape):
     target, draft = on_cuda[torch.float32]
-    outputs, reasons = _run_mixed(_engine(target, draft, drafter, shape), prompts, MAX_TOKENS, JOIN_AT, abort={})
+    outputs, reasons = run_mixed(engine_for(target, draft, drafter, shape), prompts, MAX_TOKENS, JOIN_AT, abort={})
     for i, prompt in enumerate(prompts):
         assert reasons[i] == "length"
         assert outputs[i] == reference_greedy(target, prompt, MAX_TOKENS[i]), (shape, i)
@@ -48,7 +48,7 @@ def test_float32_greedy_equals_the_targets_own_decoding(on_cuda, prompts, drafte
 @pytest.mark.parametrize("shape", ["chain4", "tree3x3x2@10", "auto"])
 def test_bfloat16_runs_every_shape_and_mostly_agrees(on_cuda, prompts, shape):
     target, draft = on_cuda[torch.bfloat16]
-    outputs, _ = _run_mixed(_engine(target, draft, "draft_model", shape), prompts, MAX_TOKENS, JOIN_AT, abort={})
+    outputs, _ = run_mixed(engine_for(target, draft, "draft_model", shape), prompts, MAX_TOKENS, JOIN_AT, abort={})
     same = total = 0
     for i, prompt in enumerate(prompts):
         ref = reference_greedy(target, prompt, MAX_TOKENS[i])
@@ -57,7 +57,7 @@ def test_bfloat16_runs_every_shape_and_mostly_agrees(on_cuda, prompts, shape):
         same, total = same + agree, total + len(ref)
     assert same >= 0.8 * total, (same, total)
 
-    engine = _engine(target, draft, "draft_model", "auto")
+    engine = engine_for(target, draft, "draft_model", "auto")
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=20, temperature=0.8, ignore_eos=True, seed=i))
     done = {}

@@ -13,30 +13,13 @@ from controller.acceptance import AcceptanceModel, step_counts
 from native_engine.drafters import DraftModelDrafter, NgramDrafter
 from native_engine.engine import EngineConfig, NativeEngine
 from native_engine.kv_cache import KVCache
-from native_engine.model import build_model, causal_mask
+from native_engine.model import causal_mask
 from native_engine.requests import SamplingParams
-from native_engine.testing import CharTokenizer, noisy_copy, reference_greedy, tiny_args
+from native_engine.testing import CharTokenizer, reference_greedy
 from native_engine.tree import TreeShape, attention_mask
-
-SHAPES = ["off", "chain1", "chain4", "tree2x2", "tree4x2x2x1", "tree3x3x2@10",  # @N: best-first budget
-          "auto", "budget6"]  # per-request budgets: uneven trees in one verify pass
-
+from testkit.tiny_engine import SHAPES, engine_for, make_draft, make_prompts, make_target, run_mixed
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def make_target():
-    # init_std 0.15 makes a random model repeat itself, so n-gram drafts get accepted.
-    return build_model(tiny_args(vocab_size=64), seed=1, init_std=0.15)
-
-
-def make_draft(target):
-    return noisy_copy(target, 0.1, seed=2)  # agrees with the target often, not always
-
-
-def make_prompts() -> list[list[int]]:
-    gen = torch.Generator().manual_seed(0)
-    return [torch.randint(0, 64, (n,), generator=gen).tolist() for n in (5, 11, 3, 8, 17, 6)]
 
 
 @pytest.fixture(scope="module")
@@ -59,43 +42,13 @@ def references(target, prompts):
     return [reference_greedy(target, p, 30) for p in prompts]
 
 
-def _engine(target, draft, drafter: str, shape: str, max_batch: int = 3, **config) -> NativeEngine:
-    name, _, budget = shape.partition("@")
-    cfg = EngineConfig(max_batch_size=max_batch, max_seq_len=192, tree_budget=int(budget) if budget else None,
-                       **config)
-    d = NgramDrafter(max_n=3, min_n=1) if drafter == "ngram" else DraftModelDrafter(draft, max_batch, 192)
-    return NativeEngine(target, d, cfg, SpecPolicy.parse(name))
-
-
-def _run_mixed(engine: NativeEngine, prompts, max_tokens: list[int], join_at: list[int], abort: dict[int, int]):
-    """Requests join at the given steps and leave at max_tokens (or abort at a step)."""
-    outputs: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-    reasons: dict[int, str] = {}
-    step = 0
-    while step < 200:
-        for i, at in enumerate(join_at):
-            if at == step:
-                engine.add_request(str(i), prompts[i], SamplingParams(max_tokens=max_tokens[i]))
-        for i, at in abort.items():
-            if at == step:
-                assert engine.abort(str(i))
-        for out in engine.step():
-            outputs[int(out.request_id)].extend(out.new_token_ids)
-            if out.finished:
-                reasons[int(out.request_id)] = out.finish_reason
-        step += 1
-        if step > max(join_at) and not engine.has_unfinished():
-            break
-    return outputs, reasons
-
-
 @pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_greedy_equals_the_targets_own_decoding_with_joins_and_leaves(target, draft, prompts, references,
                                                                      drafter, shape):
-    engine = _engine(target, draft, drafter, shape)
+    engine = engine_for(target, draft, drafter, shape)
     max_tokens = [30, 12, 25, 30, 7, 20]
-    outputs, reasons = _run_mixed(engine, prompts, max_tokens, join_at=[0, 0, 1, 3, 4, 9], abort={3: 6})
+    outputs, reasons = run_mixed(engine, prompts, max_tokens, join_at=[0, 0, 1, 3, 4, 9], abort={3: 6})
     for i, ref in enumerate(references):
         if i == 3:  # aborted mid-run: what it produced is a prefix of the reference
             assert reasons[i] == "abort" and outputs[i] == ref[: len(outputs[i])]
@@ -181,7 +134,7 @@ def test_prompts_of_uneven_length_prefill_one_after_another_as_if_alone(target, 
 
 @pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
 def test_kv_cache_after_rejections_equals_recomputation(target, draft, prompts, drafter):
-    engine = _engine(target, draft, drafter, "tree4x2x2x1", max_batch=3)
+    engine = engine_for(target, draft, drafter, "tree4x2x2x1", max_batch=3)
     for i in (0, 1, 4):
         engine.add_request(str(i), prompts[i], SamplingParams(max_tokens=40))
     deep = 0
@@ -205,7 +158,7 @@ def test_kv_cache_after_rejections_equals_recomputation(target, draft, prompts, 
 
 
 def test_live_policy_change_takes_effect_at_the_next_step(target, draft, prompts, references):
-    engine = _engine(target, draft, "draft_model", "chain4", max_batch=4)
+    engine = engine_for(target, draft, "draft_model", "chain4", max_batch=4)
     engine.add_request("a", prompts[0], SamplingParams(max_tokens=30))
     engine.step()  # prefill
     engine.step()
@@ -230,7 +183,7 @@ def test_live_policy_change_takes_effect_at_the_next_step(target, draft, prompts
 
 
 def test_step_records_have_consistent_counts_and_feed_the_controller(target, draft, prompts):
-    engine = _engine(target, draft, "draft_model", "tree3x2x1", max_batch=4)
+    engine = engine_for(target, draft, "draft_model", "tree3x2x1", max_batch=4)
     for i in range(4):
         engine.add_request(str(i), prompts[i], SamplingParams(max_tokens=192 - len(prompts[i]) - 65))
     gained = []
@@ -316,7 +269,7 @@ def test_request_errors_and_finish_conditions(target, draft, prompts, references
 
 
 def test_waiting_request_can_be_aborted_and_ids_are_reusable(target, draft, prompts):
-    engine = _engine(target, draft, "ngram", "chain4", max_batch=1)
+    engine = engine_for(target, draft, "ngram", "chain4", max_batch=1)
     engine.add_request("a", prompts[0], SamplingParams(max_tokens=5))
     engine.add_request("b", prompts[1], SamplingParams(max_tokens=5))
     engine.step()

@@ -24,7 +24,9 @@ import pytest
 from adaspec.policy import SpecConfig, SpecPolicy
 from controller.policy_search import TREE_SHAPES
 from native_engine.requests import SamplingParams
-from tests.conftest import MODEL, app_in_own_cluster, replica_status, set_controller, wait_until
+from testkit.apps import app_in_own_cluster
+from testkit.clients import MODEL, replica_status, set_controller
+from testkit.waits import wait_until
 
 pytestmark = pytest.mark.slow
 

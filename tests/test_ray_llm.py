@@ -7,9 +7,11 @@ import re
 
 import ray
 
-from tests.test_layers import LAYER_OF, REPO
+from testkit.serve_process import REPO
 
 ADAPTER = REPO / "serve_app" / "ray_llm.py"
+# The project's packages, as tests/test_layers.py finds them.
+PACKAGES = sorted({p.parent.name for p in REPO.glob("*/__init__.py")} - {"tests"})
 
 
 def _pinned_minor() -> str:
@@ -32,7 +34,7 @@ def test_installed_ray_is_the_pinned_minor():
 
 def test_internal_ray_llm_is_imported_by_the_adapter_only():
     offenders = []
-    for pkg in LAYER_OF:
+    for pkg in PACKAGES:
         for path in sorted((REPO / pkg).rglob("*.py")):
             if path == ADAPTER:
                 continue

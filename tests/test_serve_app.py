@@ -12,13 +12,14 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import MODEL, URL, complete, push_policy, replica_status, set_controller, wait_until
+from testkit.clients import MODEL, URL, complete, push_policy, replica_status, set_controller
+from testkit.metrics import counter_sum
+from testkit.prompts import REPETITIVE
+from testkit.waits import wait_until
 
 pytestmark = pytest.mark.slow
 
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
-# Repeats itself, so n-gram prompt lookup finds continuations to draft.
-REPETITIVE = "one two three four five six, one two three four five six, one two three four"
 
 
 def _sse_text(resp: httpx.Response, chat: bool) -> str:
@@ -185,11 +186,6 @@ def test_bad_input_gets_an_openai_error(client, name, path, body, status, needle
     assert error["type"]
 
 
-def _counter(metrics: str, name: str) -> float:
-    """Sum of a Prometheus counter over all label sets."""
-    return sum(float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", metrics, re.M))
-
-
 def _gauge(metrics: str, name: str) -> float | None:
     values = [float(m.group(1)) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", metrics, re.M)]
     return sum(values) if values else None
@@ -244,10 +240,10 @@ def test_ngram_speculation_is_really_on(server, client):
     set_controller(client, "pause")
     try:
         push_policy(client, "chain4")
-        before = _counter(server.metrics_text(), "ray_vllm_spec_decode_num_draft_tokens_total")
+        before = counter_sum(server.metrics_text(), "ray_vllm_spec_decode_num_draft_tokens_total")
         complete(client, REPETITIVE, max_tokens=48)
         # Ray exports metrics periodically (every 10 s by default).
-        wait_until(lambda: _counter(server.metrics_text(), "ray_vllm_spec_decode_num_draft_tokens_total") > before,
+        wait_until(lambda: counter_sum(server.metrics_text(), "ray_vllm_spec_decode_num_draft_tokens_total") > before,
                    "vLLM's spec-decode draft counter growing")
     finally:
         set_controller(client, "resume")

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import psutil
 
-from bench.serve_process import session_processes
+from testkit.serve_process import session_processes
 
 AUTH_MODE = "token"
 

@@ -1,0 +1,6 @@
+"""Prompts several real-stack test modules send."""
+
+# Prompt lookup predicts its greedy continuation well: speculation gets drafts accepted.
+REPETITIVE = "one two three four five six, one two three four five six, one two three four"
+# One repetitive, one factual, one code prompt: acceptance differs between them.
+PROMPTS = [REPETITIVE, "The capital of France is", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"]
