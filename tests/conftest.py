@@ -21,6 +21,10 @@ from testkit.loopback_cluster import LoopbackCluster, NodeSpec
 from testkit.serve_process import REPO, ServeProcess, live_engine_processes
 from testkit.waits import wait_until
 
+# pytester: tests of pytest's own behaviour (test_time_limits.py); testkit.time_limits: every
+# test's time limit by tier (pyproject.toml's `timeout` for unit tests, more for slow ones).
+pytest_plugins = ["pytester", "testkit.time_limits"]
+
 CLUSTER_GCS_PORT = 6390  # the loopback cluster's head (and the next two ports)
 
 

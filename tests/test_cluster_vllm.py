@@ -16,7 +16,9 @@ from testkit.apps import app_on_cluster, check_replicas_on_own_nodes_serve_and_g
 from testkit.loopback_cluster import LoopbackCluster
 from testkit.serve_process import REPO, ServeProcess
 
-pytestmark = pytest.mark.slow
+# Two vLLM engines start at once on 2 cores: the app's start may take up to 15 minutes (its
+# `timeout_s` below), so this module's limit is above the slow tests' 15 (testkit/time_limits.py).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 URL = "http://127.0.0.1:8004"  # configs/app-cluster-vllm.yaml's http_options
 
