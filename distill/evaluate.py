@@ -34,7 +34,8 @@ import torch
 
 from distill.teacher import TeacherSequence, TeacherSettings, generate_batch
 from native_engine.kv_cache import KVCache
-from native_engine.model import Transformer, causal_mask
+from native_engine.attention import causal_mask
+from native_engine.model import Transformer
 
 MAX_POSITION = 8  # acceptance reported for positions 1..8, E(k) for k = 1..8
 

@@ -32,7 +32,8 @@ import torch
 
 from distill import DistillError
 from native_engine.kv_cache import KVCache
-from native_engine.model import Transformer, causal_mask
+from native_engine.attention import causal_mask
+from native_engine.model import Transformer
 
 logger = logging.getLogger(__name__)
 

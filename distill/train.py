@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from distill.teacher import TeacherSequence
-from native_engine.model import Transformer, causal_mask
+from native_engine.attention import causal_mask
+from native_engine.model import Transformer
 
 logger = logging.getLogger(__name__)
 

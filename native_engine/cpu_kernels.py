@@ -5,7 +5,7 @@
 - `torch.ops.adaspec.panel_matmul`: the float32 matmul of a pass of up to a few hundred
   tokens (a decode step of 1-16 sequences, a verify pass, a short prompt), streaming the
   weight held in panels of 16 output features (`CpuLinear`'s "panels" path,
-  native_engine/model.py); `panel_matmul_bf16` the same for bfloat16 weights (float32 sums:
+  native_engine/cpu_linear.py); `panel_matmul_bf16` the same for bfloat16 weights (float32 sums:
   AMX tiles, AVX512-BF16 dot products or AVX2 widening, whichever the CPU has, each function
   built for its own instruction set and chosen at run time).
 

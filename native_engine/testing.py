@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from native_engine.model import ModelArgs, Transformer, causal_mask
+from native_engine.attention import causal_mask
+from native_engine.model import ModelArgs, Transformer
 
 
 def tiny_args(vocab_size: int = 64, **overrides) -> ModelArgs:

@@ -1,4 +1,4 @@
-"""The native engine's compiled decode pass (Transformer.compile_decode): torch.compile
+"""The native engine's compiled decode pass (native_engine/compiled_decode.py): torch.compile
 (inductor) on a tiny random model, prepared for serving as a replica prepares it.
 
 What must hold: greedy output identical to the model's own greedy decoding (eager) with
@@ -17,7 +17,8 @@ from adaspec.policy import SpecPolicy
 from native_engine import cpu_kernels
 from native_engine.drafters import NgramDrafter
 from native_engine.engine import EngineConfig, NativeEngine
-from native_engine.model import CpuLinear, build_model, compiled_matmul_path
+from native_engine.cpu_linear import CpuLinear, compiled_matmul_path
+from native_engine.model import build_model
 from native_engine.requests import SamplingParams
 from native_engine.testing import reference_greedy, tiny_args
 

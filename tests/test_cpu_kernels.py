@@ -19,7 +19,8 @@ from native_engine import cpu_kernels, decode_attention
 from native_engine.engine import EngineConfig, NativeEngine
 from native_engine.drafters import NgramDrafter
 from native_engine.kv_cache import KVCache
-from native_engine.model import build_model, prefix_lengths
+from native_engine.attention import prefix_lengths
+from native_engine.model import build_model
 from native_engine.tree import DraftTree, attention_mask, batch_tree_inputs
 from native_engine.requests import SamplingParams
 from native_engine.testing import reference_greedy, tiny_args

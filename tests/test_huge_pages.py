@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from native_engine import cpu_kernels, huge_pages
-from native_engine.model import CpuLinear, build_model, causal_mask
+from native_engine.attention import causal_mask
+from native_engine.cpu_linear import CpuLinear, gather_panels
+from native_engine.model import build_model
 from native_engine.testing import tiny_args
 
 
@@ -86,7 +88,7 @@ def test_a_models_panels_sit_in_forward_order_in_one_region_with_the_same_output
     assert all(isinstance(m, CpuLinear) for m in linears)
     for m in linears:
         m.use(("panels",) * 4)
-    model.gather_panels()
+    gather_panels(model)
     panels = [m.weight_panels for m in linears]
     assert panels[0].data_ptr() % huge_pages.PAGE == 0
     assert [p.data_ptr() for p in panels[1:]] == [p.data_ptr() + p.numel() * 4 for p in panels[:-1]]

@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from native_engine import cpu_kernels, dtype_choice, linear_choice
+from native_engine import cpu_kernels, dtype_choice, linear_choice, machine_cache
+from native_engine.attention import causal_mask
+from native_engine.cpu_linear import CpuLinear
 from native_engine.linear_choice import PATHS, TOKEN_COUNTS, LinearChoice
 from native_engine.kv_cache import KVCache
-from native_engine.model import CpuLinear, build_model, causal_mask
+from native_engine.model import build_model
 from native_engine.testing import tiny_args
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
@@ -125,7 +127,7 @@ def test_preparing_a_model_applies_the_choice_and_a_restart_reads_it_from_the_ca
     first = model.linear_choice
     assert first is not None and not first.cached
     assert {m.route for m in _linears(model)} == {first.route()}
-    assert linear_choice.cache_file().is_file()
+    assert machine_cache.cache_file(linear_choice.CACHE).is_file()
 
     def no_measuring(*args, **kwargs):
         raise AssertionError("measured again despite the cache")
@@ -224,10 +226,10 @@ def test_writers_of_the_cache_at_once_lose_no_entry(monkeypatch):
             go_on.wait(10)
         return text
 
-    linear_choice.write_cached("entries.json", "existing", {"v": 0})
+    machine_cache.write_cached("entries.json", "existing", {"v": 0})
     monkeypatch.setattr(Path, "read_text", slow_first_read)
-    first = threading.Thread(target=linear_choice.write_cached, args=("entries.json", "a", {"v": 1}), name="first")
-    second = threading.Thread(target=linear_choice.write_cached, args=("entries.json", "b", {"v": 2}), name="second")
+    first = threading.Thread(target=machine_cache.write_cached, args=("entries.json", "a", {"v": 1}), name="first")
+    second = threading.Thread(target=machine_cache.write_cached, args=("entries.json", "b", {"v": 2}), name="second")
     first.start()
     assert first_has_read.wait(10)
     second.start()
@@ -237,4 +239,4 @@ def test_writers_of_the_cache_at_once_lose_no_entry(monkeypatch):
     first.join(10)
     second.join(10)
     for key, value in (("existing", 0), ("a", 1), ("b", 2)):
-        assert linear_choice.read_cached("entries.json", key)["v"] == value
+        assert machine_cache.read_cached("entries.json", key)["v"] == value

@@ -13,7 +13,7 @@ from controller.acceptance import AcceptanceModel, step_counts
 from native_engine.drafters import DraftModelDrafter, NgramDrafter
 from native_engine.engine import EngineConfig, NativeEngine
 from native_engine.kv_cache import KVCache
-from native_engine.model import causal_mask
+from native_engine.attention import causal_mask
 from native_engine.requests import SamplingParams
 from native_engine.testing import CharTokenizer, reference_greedy
 from native_engine.tree import TreeShape, attention_mask
@@ -108,11 +108,11 @@ def test_prompts_of_uneven_length_prefill_one_after_another_as_if_alone(target, 
     """Two prompts admitted in one step run one prefill pass, their tokens one after another
     (no padding; attention prompt by prompt): each one's first token and cached keys/values
     equal its prefill alone and a recomputation under the causal mask."""
-    from native_engine import model as model_module
+    from native_engine import attention
 
     seen = []
-    monkeypatch.setattr(model_module, "prompt_attention",
-                        lambda q, *a, _f=model_module.prompt_attention: seen.append(q.shape[1]) or _f(q, *a))
+    monkeypatch.setattr(attention, "prompt_attention",
+                        lambda q, *a, _f=attention.prompt_attention: seen.append(q.shape[1]) or _f(q, *a))
     prompts = [[5, 9, 2], [7, 1, 4, 4, 8, 3, 6, 2, 9, 9, 1, 5, 3, 7, 2, 8, 6]]
     together = NativeEngine(target, None, EngineConfig(max_batch_size=2, max_seq_len=96), SpecPolicy.parse("off"))
     for i, p in enumerate(prompts):

@@ -14,8 +14,8 @@ from safetensors.torch import save_file
 from native_engine import cpu_kernels
 from native_engine.dtype_choice import cpu_has_bf16
 from native_engine.kv_cache import KVCache
-from native_engine.model import (ModelArgs, ModelLoadError, Transformer, attend, build_model, causal_mask,
-                                 load_model)
+from native_engine.attention import attend, causal_mask
+from native_engine.model import ModelArgs, ModelLoadError, Transformer, build_model, load_model
 from native_engine.testing import full_logits, tiny_args
 from native_engine.tree import attention_mask
 
@@ -122,7 +122,7 @@ def test_bfloat16_cpu_linear_matches_nn_linear_on_every_path(path):
     """bf16 weights get oneDNN's prepacked layout too where the CPU supports bf16, and
     adaspec's panel kernel where it builds (fp32 accumulation): every path agrees with
     nn.Linear within bf16 rounding of the output."""
-    from native_engine.model import CpuLinear
+    from native_engine.cpu_linear import CpuLinear
 
     if path == "packed" and not cpu_has_bf16():
         pytest.skip("this CPU has no oneDNN bf16")
@@ -236,9 +236,9 @@ def test_cuda_bfloat16_matches_cpu():
 
 def test_bfloat16_attention_over_whole_key_blocks_is_the_same_whatever_masked_keys_follow():
     """A one-token pass holds exactly the keys its query attends; a verify pass or a batch
-    holds more, masked for it. Read in whole KEY_BLOCKs (model.whole_key_blocks), the query
+    holds more, masked for it. Read in whole KEY_BLOCKs (attention.whole_key_blocks), the query
     gets the same bits either way (torch's CPU kernel sums a block that ends early another way)."""
-    from native_engine.model import attend, whole_key_blocks
+    from native_engine.attention import whole_key_blocks
 
     gen = torch.Generator().manual_seed(0)
     for keys_attended in range(20, 300, 7):

@@ -14,7 +14,7 @@ from adaspec.policy import SpecPolicy
 from native_engine import cpu_kernels, dtype_choice
 from native_engine.drafters import NgramDrafter
 from native_engine.engine import EngineConfig, NativeEngine
-from native_engine.model import CpuLinear
+from native_engine.cpu_linear import CpuLinear
 from native_engine.requests import SamplingParams
 from native_engine.testing import reference_greedy
 
@@ -114,7 +114,7 @@ def test_bfloat16_greedy_under_speculation_equals_off(smol_bf16, batch):
                     reason="this CPU has no oneDNN bfloat16 or adaspec's kernels did not build")
 def test_compiled_bfloat16_greedy_under_speculation_equals_compiled_off():
     """Compiled, the one-token graph and the batch-1 verify graph must give a token the same
-    bits too: inductor rounds where eager rounds in reduced precision (Transformer.compile_decode;
+    bits too: inductor rounds where eager rounds in reduced precision (compiled_decode.compile_decode;
     without it chain4 left `off`'s tokens at token 29 of the third prompt)."""
     engine = NativeEngine.from_pretrained(MODEL, dtype=torch.bfloat16,
                                           config=EngineConfig(max_batch_size=1, max_seq_len=512))
