@@ -101,3 +101,67 @@ def test_lazy_imports_count(tmp_path):
     module = tmp_path / "m.py"
     module.write_text("import os\n\ndef f():\n    from bench.datasets import x\n    import serve_app.replica\n")
     assert imported_packages(module) == {"os", "bench", "serve_app"}
+
+
+# ----------------------------------------------------------------------------------- modules
+def project_modules(root: Path = REPO, packages=None) -> dict[str, Path]:
+    """Dotted module name -> file, for every module of `packages` (default: every package in LAYER_OF)."""
+    modules: dict[str, Path] = {}
+    for pkg in LAYER_OF if packages is None else packages:
+        for path in sorted((root / pkg).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def module_imports(root: Path = REPO, packages=None) -> dict[str, set[str]]:
+    """module -> the project modules it imports, the lazy imports inside functions included.
+
+    `from pkg import mod` imports the module pkg.mod where that is one, else a name of pkg
+    (pkg's __init__); a relative import is resolved against the importing module's package.
+    A package's __init__ that runs first on `import pkg.mod` does not count: only the module named."""
+    modules = project_modules(root, packages)
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                bases = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                bases = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+            else:
+                continue
+            for dotted in bases:  # the longest prefix that is a project module (`import a.b.c`)
+                parts = dotted.split(".")
+                found = next((".".join(parts[:i]) for i in range(len(parts), 0, -1) if ".".join(parts[:i]) in modules), None)
+                if found is not None:
+                    targets.add(found)
+        graph[name] = targets - {name}
+    return graph
+
+
+def test_no_import_cycle_between_modules():
+    """No module imports itself back round a chain of project modules, inside one package or
+    across several: such a cycle works only as long as the import order and lazy imports allow
+    it (native_engine.model <-> linear_choice, bench.phase <-> sweep were the last ones)."""
+    cycle = find_cycle(module_imports())
+    assert cycle is None, f"import cycle between modules: {' -> '.join(cycle)}"
+
+
+def test_module_cycles_are_found(tmp_path):
+    """The module graph sees a cycle through a lazy relative import and `from pkg import mod`."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "a.py").write_text("from pkg import b\n")
+    (tmp_path / "pkg" / "b.py").write_text("import os\n\ndef f():\n    from .a import g\n")
+    (tmp_path / "pkg" / "c.py").write_text("import pkg.a\nfrom pkg import VERSION\n")
+    graph = module_imports(tmp_path, ["pkg"])
+    assert graph == {"pkg": set(), "pkg.a": {"pkg.b"}, "pkg.b": {"pkg.a"}, "pkg.c": {"pkg.a", "pkg"}}
+    assert find_cycle(graph) == ["pkg.a", "pkg.b", "pkg.a"]
+    (tmp_path / "pkg" / "b.py").write_text("import os\n")
+    assert find_cycle(module_imports(tmp_path, ["pkg"])) is None
