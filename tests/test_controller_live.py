@@ -124,8 +124,9 @@ def _phase(client, batch_lo: int, batch_hi: int, settled, what: str) -> tuple[se
                     f"replica: {status}\n{format_controller(view)}")
 
 
-def test_k_follows_the_load(client):
-    """The controller decides from what it measures on this replica.
+def test_controller_speculates_for_one_stream_and_tries_a_second_config_under_a_burst(client):
+    """The controller decides from what it measures on this replica. It is not required to
+    lower k under the burst (which config is best there is a close call on this CPU, below).
     - One stream of LOOPING, whose greedy continuation prompt lookup predicts almost every
       time, starting from `off` everywhere: it must move to speculation, which pays on any
       machine there (chain4 3.8-4.1x the tokens/s of `off` on a Zen 4 machine:

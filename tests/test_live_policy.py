@@ -19,7 +19,7 @@ import pytest
 from adaspec.policy import SpecConfig, SpecPolicy
 from testkit.clients import (MODEL, URL, complete, drafted_depth, policy_of, push_policy, replica_status,
                              replica_steps, set_controller)
-from testkit.metrics import check_acceptance_agrees_with_vllm
+from testkit.metrics import check_acceptance_agrees_with_vllm, counter_sum
 from testkit.prompts import PROMPTS, REPETITIVE
 from testkit.waits import wait_until
 
@@ -156,8 +156,16 @@ def test_invalid_policies_are_rejected_and_the_old_one_stays(client):
 
 
 def test_acceptance_agrees_with_vllm_counters(server, client):
+    """Under chain4, vLLM really speculates with n-gram drafts (its draft-token counter grows)
+    and the replica's step records count the same accepted tokens per position as vLLM's own
+    counters."""
     _applied_version(push_policy(client, "chain4"))
+    drafts = "ray_vllm_spec_decode_num_draft_tokens_total"
+    before = counter_sum(server.metrics_text(), drafts)
     check_acceptance_agrees_with_vllm(server, client, lambda prompt: complete(client, prompt, max_tokens=40))
+    complete(client, REPETITIVE, max_tokens=48)
+    # Ray exports metrics periodically (every 10 s by default).
+    wait_until(lambda: counter_sum(server.metrics_text(), drafts) > before, "vLLM's spec-decode draft counter growing")
 
 
 def test_greedy_output_is_identical_under_every_policy(client):
