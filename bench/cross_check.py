@@ -17,8 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from adaspec.models import model_folder
-from adaspec.datasets import load_prompts, write_sharegpt_json
+from prepare.datasets import load_prompts, write_sharegpt_json
+from prepare.models import model_folder
 from bench.client import RequestMix
 from bench.policies import NamedPolicy
 

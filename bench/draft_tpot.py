@@ -67,8 +67,8 @@ def run(target: str, spec: dict | None, prompts: list[str], max_tokens: int, tim
 
 
 def main() -> None:
-    from adaspec.models import resolve_model
-    from adaspec.datasets import load_prompts
+    from prepare.datasets import load_prompts
+    from prepare.models import resolve_model
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="smollm2-135m-instruct")

@@ -21,8 +21,10 @@ import httpx
 from pydantic import BaseModel, Field, model_validator
 
 from bench.client import RequestMix, RequestResult, arrival_times, run_load
-from adaspec.datasets import Prompt, load_prompts
-from adaspec.models import ModelError, resolve_model
+from adaspec.datasets import Prompt
+from adaspec.models import ModelError
+from prepare.datasets import load_prompts
+from prepare.models import resolve_model
 from bench.metrics import BenchMetrics, summarize
 from bench.replica_probe import ReplicaProbe, TelemetryTrace
 from serve_app.admin_client import QUIET_LOGGERS

@@ -52,8 +52,8 @@ if not __package__:  # run as a file: this script's folder would shadow the nati
 
 import torch  # noqa: E402
 
-from adaspec.datasets import load_prompts  # noqa: E402
-from adaspec.models import resolve_model  # noqa: E402
+from prepare.datasets import load_prompts  # noqa: E402
+from prepare.models import resolve_model  # noqa: E402
 from adaspec.policy import SpecPolicy  # noqa: E402
 from bench import machine  # noqa: E402
 from bench.client import realistic_mix  # noqa: E402

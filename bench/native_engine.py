@@ -56,7 +56,7 @@ if not __package__:  # run as a file: this script's folder would shadow the nati
 
 import torch  # noqa: E402
 
-from adaspec.datasets import load_prompts  # noqa: E402
+from prepare.datasets import load_prompts  # noqa: E402
 from adaspec.policy import SpecPolicy  # noqa: E402
 from adaspec.telemetry import decode_tokens_per_s, step_as_dict, tokens_per_sequence_step  # noqa: E402
 from bench import machine  # noqa: E402
@@ -209,7 +209,7 @@ def main() -> None:
         compile_s = base.compile_decode()
         print(f"[bench] decode pass compiled in {compile_s:.0f} s", flush=True)
     weight_bytes = streamed_weight_bytes(base.model)
-    from adaspec.models import resolve_model
+    from prepare.models import resolve_model
 
     folder = resolve_model(MODEL, prepare=False)
     # Twice as many as measured: `auto` first learns on the second half (other prompts).

@@ -17,7 +17,8 @@ import statistics
 from dataclasses import asdict, dataclass
 
 from bench.client import RequestResult, arrivals_until
-from adaspec.datasets import Prompt, load_prompts
+from adaspec.datasets import Prompt
+from prepare.datasets import load_prompts
 from bench.harness import BenchSettings, bench_prompts
 from bench.metrics import tpot_s
 from bench.policies import apply_policy, interleaved

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import yaml
 
-from adaspec.datasets import load_prompts
+from prepare.datasets import load_prompts
 from bench import machine
 from bench.client import SYNTHETIC, arrivals_until, realistic_mix, run_load
 from bench.compare import bootstrap_ratio, mean, p99

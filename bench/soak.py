@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from adaspec.datasets import load_prompts
+from prepare.datasets import load_prompts
 from bench import machine
 from bench.client import arrivals_until, realistic_mix, run_load
 from serve_app import admin_client

@@ -37,7 +37,7 @@ from bench import machine
 from testkit.serve_process import ServeProcess
 from bench.client import RequestMix, RequestResult, arrival_times
 from bench.metrics import tpot_s
-from adaspec.datasets import load_prompts
+from prepare.datasets import load_prompts
 from bench.harness import BenchResult, BenchSettings, bench_prompts, served_model
 from bench.phase import run_phase_change
 from bench.cross_check import cross_check

@@ -15,7 +15,7 @@ import json
 import statistics
 import time
 
-from adaspec.models import resolve_model
+from prepare.models import resolve_model
 from adaspec.policy import SpecPolicy
 from serve_app.vllm_engine import SCHEDULER_CLS
 

@@ -46,7 +46,7 @@ def child(variant: str, out: Path) -> None:
     """One engine of `variant`: greedy ids and decode step times, written to `out` as JSON."""
     from vllm import LLM, SamplingParams
 
-    from adaspec.models import resolve_model, tokenizer_folder
+    from prepare.models import resolve_model, tokenizer_folder
 
     tp, _ = VARIANTS[variant]
     folder = resolve_model("smollm2-135m-instruct-draft")

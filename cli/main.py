@@ -40,7 +40,8 @@ from pathlib import Path
 from serve_app import admin_client
 from distill import DistillError
 from adaspec.datasets import DATASETS
-from adaspec.models import BUNDLED_DRAFTS, DEFAULT_MODEL, EMBEDDED_MODELS, ModelError, prepare_model, shipped_profile
+from adaspec.models import BUNDLED_DRAFTS, DEFAULT_MODEL, EMBEDDED_MODELS, ModelError
+from prepare.models import prepare_model, shipped_profile
 from adaspec.policy import PolicyError, SpecPolicy
 from cli.serve_config import ConfigError
 from controller.checkpoint_file import CheckpointError
@@ -301,7 +302,8 @@ def _policy_list(text: str) -> list[str]:
 
 def _check_dataset(dataset: str, num_prompts: int, seed: int) -> None:
     """Load the prompts once before anything starts; a shortfall names the flag."""
-    from adaspec.datasets import DatasetError, load_prompts
+    from adaspec.datasets import DatasetError
+    from prepare.datasets import load_prompts
 
     try:
         load_prompts(dataset, num_prompts, seed, split="test")

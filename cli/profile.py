@@ -19,7 +19,7 @@ import json
 import time
 from pathlib import Path
 
-from adaspec.datasets import load_prompts
+from prepare.datasets import load_prompts
 from adaspec.policy import SpecConfig
 from adaspec.telemetry import ProfiledStep
 from bench.client import RequestMix, run_load

@@ -16,7 +16,7 @@ from collections import deque
 
 import numpy as np
 
-from adaspec.models import shipped_profile
+from prepare.models import shipped_profile
 from adaspec.policy import SpecConfig, SpecPolicy
 from adaspec.telemetry import ControllerReply, EngineCapabilities, PolicySpeed, ReplicaTelemetry
 from controller.acceptance import expected_accepted_length

@@ -57,13 +57,14 @@ class DistillRequest:
 
 
 def work_root(request_root: Path | None) -> Path:
-    from adaspec.models import cache_dir
+    from prepare.models import cache_dir
 
     return request_root or cache_dir().parent / "distill"
 
 
 def load_target(reference: str) -> tuple[Path, Transformer]:
-    from adaspec.models import ModelError, resolve_model
+    from adaspec.models import ModelError
+    from prepare.models import resolve_model
 
     try:
         folder = Path(resolve_model(reference, prepare=True))
@@ -184,7 +185,8 @@ def distill(req: DistillRequest) -> tuple[Path, DraftEval, TrainState]:
 
 def eval_draft(target_ref: str, draft_ref: str, dataset: str, prompts: int, max_new_tokens: int = 128,
                root: Path | None = None) -> DraftEval:
-    from adaspec.models import ModelError, resolve_model
+    from adaspec.models import ModelError
+    from prepare.models import resolve_model
 
     folder, target = load_target(target_ref)
     try:

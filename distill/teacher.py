@@ -226,7 +226,8 @@ def prompt_ids(tokenizer, dataset: str, split: str, num_prompts: int | None, see
                max_chars: int = 1500) -> list[list[int]]:
     """Dataset prompts as the target sees them when served: chat-templated user turns
     (ShareGPT) or raw code prefixes (HumanEval), token ids."""
-    from adaspec.datasets import DatasetError, load_prompts
+    from adaspec.datasets import DatasetError
+    from prepare.datasets import load_prompts
 
     try:
         # All prompts in the seeded order, then the first n: the same n prompts whatever n, and
@@ -256,7 +257,8 @@ def text_sequences(tokenizer, dataset: str, num: int, settings: TeacherSettings,
     one-hot 'teacher' targets: plain next-token training, a warm start that costs no target
     compute. Target-generated data is what the draft must match; this only teaches it the
     language cheaply where CPU time for the teacher is short. Cached in `cache` when given."""
-    from adaspec.datasets import DatasetError, load_prompts
+    from adaspec.datasets import DatasetError
+    from prepare.datasets import load_prompts
 
     if cache is not None and cache.is_file():
         return [TeacherSequence(**row) for row in torch.load(cache, weights_only=True)]

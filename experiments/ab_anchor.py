@@ -8,7 +8,7 @@ import sys, random, time, collections
 
 import numpy as np, torch
 from pathlib import Path
-from adaspec.models import resolve_model
+from prepare.models import resolve_model
 from adaspec.policy import SpecPolicy
 from bench.native_budget import request_set, run, MODEL, MAX_SEQ_LEN, REQUESTS
 from native_engine.engine import EngineConfig, NativeEngine

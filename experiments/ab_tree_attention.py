@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 import native_engine.model as M
-from adaspec.models import resolve_model
+from prepare.models import resolve_model
 from adaspec.policy import SpecPolicy
 from bench.native_budget import MAX_SEQ_LEN, MODEL, REQUESTS, request_set
 from native_engine import decode_attention

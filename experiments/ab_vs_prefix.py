@@ -6,7 +6,7 @@ from pathlib import Path
 from bench import native_budget as nb
 from native_engine import budget as bm
 from native_engine.engine import EngineConfig, NativeEngine
-from adaspec.models import resolve_model
+from prepare.models import resolve_model
 
 class PrefixPlanner(bm.BudgetPlanner):
     def plan(self, *args, **kwargs):

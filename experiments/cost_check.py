@@ -3,7 +3,7 @@ Does the step-cost fit price static policies' steps right? (ad hoc)"""
 import sys
 from pathlib import Path
 import numpy as np, torch
-from adaspec.models import resolve_model
+from prepare.models import resolve_model
 from bench.native_budget import MAX_SEQ_LEN, MODEL, REQUESTS, engine_for, request_set, run
 from native_engine.engine import EngineConfig, NativeEngine
 

@@ -5,7 +5,7 @@ from pathlib import Path
 import torch
 import native_engine.engine as E
 import native_engine.budget as budget
-from adaspec.models import resolve_model
+from prepare.models import resolve_model
 from bench.native_budget import MAX_SEQ_LEN, MODEL, REQUESTS, engine_for, request_set, run
 from native_engine.engine import EngineConfig, NativeEngine
 

@@ -109,11 +109,11 @@ class NativeEngine:
     def from_pretrained(cls, model: str, drafter: str | Drafter = "ngram", draft_model: str | None = None,
                         dtype: torch.dtype = torch.float32, device="cpu", config: EngineConfig = EngineConfig(),
                         policy: SpecPolicy | None = None) -> NativeEngine:
-        """Load an embedded model name (see adaspec.models) or an HF safetensors folder.
+        """Load an embedded model name (see prepare.models) or an HF safetensors folder.
 
         drafter: "ngram", "draft_model" (with `draft_model` a name or folder), "none", or a
         Drafter instance."""
-        from adaspec.models import resolve_model
+        from prepare.models import resolve_model
         from native_engine.drafters import DraftModelDrafter
 
         folder = Path(resolve_model(model, prepare=False))

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from adaspec.models import cache_dir
+from prepare.models import cache_dir
 
 
 def machine_key() -> str:

@@ -17,7 +17,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application
 
-from adaspec.models import resolve_model, tokenizer_folder
+from prepare.models import resolve_model, tokenizer_folder
 from controller.actor import HEAD_NODE_RESOURCE
 from serve_app.config import AppConfig
 from serve_app.ingress import ENDPOINTS, AdaspecIngress, ingress_app

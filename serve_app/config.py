@@ -296,7 +296,7 @@ class AppConfig(_Strict):
         """Reject a tensor_parallel_size that does not divide the attention heads of the
         target or the draft model (vLLM refuses it too, but only once its engine starts);
         after resolve_models."""
-        from adaspec.models import attention_heads, resolve_model
+        from prepare.models import attention_heads, resolve_model
 
         tp = self.tensor_parallel_size
         if tp == 1:
@@ -314,7 +314,8 @@ class AppConfig(_Strict):
     def resolve_models(self) -> None:
         """Resolve the target (and draft) model references, preparing embedded ones; a
         ModelError names the field."""
-        from adaspec.models import ModelError, resolve_model
+        from adaspec.models import ModelError
+        from prepare.models import resolve_model
 
         refs = [("model", self.model)]
         if self.speculation.draft_model:

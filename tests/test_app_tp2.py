@@ -18,7 +18,7 @@ import httpx
 import psutil
 import pytest
 
-from adaspec.models import resolve_model, tokenizer_folder
+from prepare.models import resolve_model, tokenizer_folder
 from testkit.apps import app_in_own_cluster
 from testkit.clients import complete, drafted_depth, replica_status, replica_steps, set_controller
 from testkit.metrics import check_acceptance_agrees_with_vllm

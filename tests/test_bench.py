@@ -15,7 +15,8 @@ import pytest
 
 from cli.main import main as cli_main
 from bench.client import RequestResult, arrival_times, arrivals_until
-from adaspec.datasets import load_prompts, recover_records, split_of
+from adaspec.datasets import split_of
+from prepare.datasets import load_prompts, recover_records
 from bench.metrics import summarize, tpot_s
 from bench.phase import merge_rounds, parse_trace, settle_times, trace_workload
 from bench.policies import interleaved, profiled_table, resolve

@@ -146,7 +146,7 @@ def test_bad_input_fails_clearly_and_overwrites_nothing(tmp_path, distilled):
         check_compatible(target_dir, other)
 
     # a tokenizer with more tokens than the model's vocabulary
-    from adaspec.models import model_folder
+    from prepare.models import model_folder
     smol = model_folder("smollm2-135m-instruct")
     if (smol / "tokenizer.json").is_file():
         for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -228,7 +228,8 @@ if __name__ == "__main__":
 
 
 def test_committed_draft_resolves_by_name_fits_the_budget_and_drafts_in_the_native_engine():
-    from adaspec.models import BUNDLED_DRAFTS, is_complete, model_folder, prepare_model, resolve_model
+    from adaspec.models import BUNDLED_DRAFTS
+    from prepare.models import is_complete, model_folder, prepare_model, resolve_model
     from native_engine.engine import EngineConfig, NativeEngine
     from native_engine.requests import SamplingParams
 

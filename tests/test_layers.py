@@ -16,7 +16,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 # Bottom to top. A package may import packages of lower layers only (not its own layer's).
 LAYERS: list[tuple[str, ...]] = [
-    ("adaspec",),                    # shared types: policy, telemetry, engine contract, models, datasets
+    ("adaspec",),                    # shared types: policy, telemetry, engine contract, model and dataset names
+    ("prepare",),                    # models and datasets onto this machine: pip, conversion, caches, dataset files
     ("native_engine", "controller"),  # the native engine; the controller's math and actor
     ("serve_app",),                  # the Ray Serve application and its engine adapters
     ("distill",),                    # draft-model distillation

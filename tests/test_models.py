@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from adaspec import models
-from adaspec.models import MARKER_FILE, ModelError, is_complete, model_folder, prepare_model, resolve_model
+from adaspec.models import MARKER_FILE, ModelError
+from prepare.models import is_complete, model_folder, prepare_model, resolve_model
 
 
 def test_resolve_references(tmp_path, monkeypatch):

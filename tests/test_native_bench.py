@@ -128,7 +128,7 @@ def test_same_budget_bound_from_measured_rank_rates():
 
 
 def test_humaneval_prompts_are_the_first_in_task_order(tmp_path):
-    from adaspec.datasets import load_prompts
+    from prepare.datasets import load_prompts
     from bench.native_engine import engine_prompts
 
     prompts, source = engine_prompts(3, "humaneval", tmp_path)  # the folder is only for ShareGPT's tokenizer

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from adaspec.datasets import load_prompts
-from adaspec.models import ModelError, resolve_model
+from adaspec.models import ModelError
+from prepare.datasets import load_prompts
+from prepare.models import resolve_model
 from adaspec.policy import SpecPolicy
 from native_engine import cpu_kernels, dtype_choice
 from native_engine.drafters import NgramDrafter
