@@ -47,7 +47,8 @@ def _counters(server: ServeProcess) -> tuple[float, float]:
     return counter_sum(text, DRAFTED), counter_sum(text, ACCEPTED)
 
 
-def test_replica_speculates_with_a_draft_model(client):
+def test_replica_reports_vllm_drafting_with_a_draft_model_up_to_k4(client):
+    """Its capabilities only; test_draft_model_drafts_every_step_and_is_accepted checks that it drafts."""
     (replica,) = replica_status(client)
     assert replica["info"]["capabilities"]["engine"] == "vllm"
     assert replica["info"]["capabilities"]["draft_method"] == "draft_model"
