@@ -10,28 +10,54 @@ prompts run greedy to `max_tokens` priced large batches by a fifth of a served c
 (docs/controller.md) and overstated what speculation buys (docs/benchmarks.md). It saves the steps (JSON lines
 `{"model_id", "step"}`, the format `controller.profile_path` reads), fits the step-time
 model, and reports its error on held-out steps.
+
+`add_parser` and `run` are the command; the benchmark client is imported only when it runs.
 """
 
 from __future__ import annotations
 
-import asyncio
+import argparse
 import json
 import time
 from pathlib import Path
 
-from prepare.datasets import load_prompts
+from adaspec.datasets import DATASETS
 from adaspec.policy import SpecConfig
 from adaspec.telemetry import ProfiledStep
-from bench.client import RequestMix, run_load
-from bench.harness import reply_token_caps
-from bench.machine import describe
+from cli.arguments import add_url, int_list
 from controller.step_time import StepTimeModel
 from serve_app import admin_client
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile", help="step-time sweep against a live server")
+    add_url(p)
+    p.add_argument("--out", required=True, help="folder for steps.jsonl and profile.json")
+    p.add_argument("--ks", default="0,1,2,3,4", help="speculation lengths to sweep")
+    p.add_argument("--batches", default="1,2,4,8,16,32", help="batch sizes to sweep")
+    p.add_argument("--max-tokens", type=int, default=64,
+                   help="cap on output tokens per request (each also stops at EOS and at its dataset's reply length)")
+    p.add_argument("--dataset", default="mixed", choices=DATASETS, help="prompts (train split)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    summary = profile(args.url, Path(args.out), int_list(args.ks, "--ks"),
+                      int_list(args.batches, "--batches"), args.max_tokens, token=args.token, dataset=args.dataset)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    return 0
 
 
 def _run_batch(url: str, model: str, dataset: str, batch: int, max_tokens: int, seed: int) -> None:
     """`batch` requests of `dataset` (train split, drawn by `seed`) at once, decoded as the
     realistic mix says; raises AdminError when one fails."""
+    import asyncio
+
+    from bench.client import RequestMix, run_load
+    from bench.harness import reply_token_caps
+    from prepare.datasets import load_prompts
+
     prompts = load_prompts(dataset, batch, seed, split="train")
     caps = reply_token_caps(prompts, model, max_tokens)
     results = asyncio.run(run_load(url, model, prompts, [0.0] * batch, caps, progress=False,
@@ -44,6 +70,9 @@ def _run_batch(url: str, model: str, dataset: str, batch: int, max_tokens: int, 
 def profile(url: str, out: Path, ks: list[int], batches: list[int], max_tokens: int = 64,
             token: str | None = None, log=print, dataset: str = "mixed") -> dict:
     """Run the sweep; write out/steps.jsonl and out/profile.json; return the summary."""
+    from bench.client import RequestMix
+    from bench.machine import describe
+
     out.mkdir(parents=True, exist_ok=True)
     reports = admin_client.status(url, token)
     if not reports:
