@@ -211,7 +211,7 @@ class NativeEngine:
                             prompt_lengths: tuple[int, ...] = CALIBRATION_PROMPTS) -> float:
         """Time verify passes of set tree layouts (CALIBRATION_LAYOUTS) at each batch size and
         prompt length, and give them to the per-request budgets' step-cost fit as anchors
-        (native_engine.budget.StepCost), before any request runs: without them the fit has
+        (adaspec.step_cost.StepCost), before any request runs: without them the fit has
         only the steps the engine chose, and prices the budgets it did not run badly.
         The passes run over whatever the cache rows hold (no prompt is run) and change no
         request; nothing is recorded as a step. batch_sizes: default 1, 2, 4, ... and max_batch_size.
