@@ -161,7 +161,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     folded into one head's query rows ([B, Hkv, G * T, Dh], the mask repeated per head): the
     same numbers, and torch's CPU flash kernel runs them as one block. In bfloat16 a
     single-query row takes that kernel's slow path: folded, a decode step's attention is 4-8x
-    faster, and a tree's 1.1-1.5x (docs/benchmarks.md, "Where the step's time goes"). Single
+    faster, and a tree's 1.1-1.5x (docs/benchmarks.md at 1dcc68e, "Where the step's time goes"). Single
     float32 queries are as fast or faster unfolded, so they stay so."""
     B, H, T, Dh = q.shape
     G = H // keys.shape[1]

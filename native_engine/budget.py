@@ -78,7 +78,7 @@ SAMPLING_CLASSES = 3  # greedy, temperature <= 0.5, hotter
 # Depth groups 1, 2, 3, 4-5, 6-7, 8-11, 12+ (1, 2-3, 4+ before): a copy on track tends to stay
 # on it, but not equally at every depth, and one rate for every depth from 4 overrated the deep
 # chains `auto` kept. Side by side, 2 rounds: auto / best static +0.2 to +10% in 5 of 6
-# (batch, round) cells at batch 1, 4 and 16, -0.2% in the sixth (docs/benchmarks.md, Depth groups).
+# (batch, round) cells at batch 1, 4 and 16, -0.2% in the sixth (docs/benchmarks.md at 1dcc68e, Depth groups).
 DEPTH_EDGES = (2, 3, 4, 6, 8, 12)
 # What the sequence's previous budgeted step did: verified nothing, stopped short of its
 # tree's depth, or accepted as deep as its tree went (a copy in progress usually goes on).
@@ -86,7 +86,7 @@ LAST_NONE, LAST_SHORT, LAST_ALL = 0, 1, 2
 # Edge estimates stay below 1, so a child always ranks below its parent; and at most 0.9 with
 # the sequence factor at most 1 (0.98 and 1.2 before): a copied run's deep chain, every edge
 # near the cap, was overrated (nodes estimated 0.8-1.0 accepted 58-60% at batch 4), and its
-# row made every row of the step long. Side by side: docs/benchmarks.md, Edge and factor caps.
+# row made every row of the step long. Side by side: docs/benchmarks.md at 1dcc68e, Edge and factor caps.
 MAX_EDGE = 0.9
 MIN_P = 1e-3  # nodes less likely than this are never verified
 PRIOR_RATE = 0.4  # calibrated edge rate where nothing was measured
@@ -163,7 +163,7 @@ class Calibration:
 
 # A budget this close to the best predicted rate counts as a tie. 3% before: at batch 1, where
 # a node costs about 1 ms of a 21 ms step, it left a fifth of the acceptable draft tokens
-# unverified (docs/benchmarks.md, The anchored step cost in the engine).
+# unverified (docs/benchmarks.md at 1dcc68e, The anchored step cost in the engine).
 NEAR_BEST = 0.01
 # The caps on nodes per sequence best_selection tries (besides no cap): every small one, then
 # a few larger, so a 64-node offer costs about a dozen evaluations, not 64.
