@@ -5,7 +5,7 @@ draft model) serves the same requests
 under `auto` (per-request budgets, native_engine/budget.py) and under each static policy
 (`off`, chains, trees), at batch sizes 1, 4 and 16:
 - requests: held-out ShareGPT chat turns and HumanEval code edits, alternating
-  (`--dataset mixed`, adaspec/datasets.py), chat-templated as served; half greedy, half at
+  (`--dataset mixed`, prepare/datasets.py), chat-templated as served; half greedy, half at
   T=0.7 top_p 0.9 (bench/client.realistic_mix), each seeded (the seeds moved each round, so
   the sampled outputs are drawn afresh), stopping at EOS or at its dataset reply length (at
   most --max-tokens);

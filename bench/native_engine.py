@@ -2,7 +2,7 @@
 
 One run, SmolLM2-135M-Instruct in float32 (or `--dtype bfloat16`) with torch on 2 threads:
 - decode tokens/s at batch 1, 4 and 16 for `off`, a few chains and a few trees (greedy, the
-  first HumanEval prompts in task order, adaspec/datasets.py; `--dataset sharegpt`: held-out
+  first HumanEval prompts in task order, prepare/datasets.py; `--dataset sharegpt`: held-out
   ShareGPT chat turns, the domain the distilled draft knows).
   "decode tok/s" is the steady state: tokens gained / time over pure decode steps with all
   `batch` rows busy (a backlog of requests refills rows at batch 1 and 4); "e2e tok/s" is
