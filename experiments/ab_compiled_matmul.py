@@ -1,6 +1,6 @@
 """Side by side (ad hoc, 2026-12-05): the compiled decode pass with the matmul inductor picks itself
 (MKL's packed sgemm in the batch-1 graph, float32) against the path the measured route chose
-(`native_engine.model.compiled_matmul_path`: oneDNN's prepacked matmul where one-token passes
+(`native_engine.cpu_linear.compiled_matmul_path`: oneDNN's prepacked matmul where one-token passes
 were measured fastest there; only the graph of fixed rows changes, at batch 4 and 16 both run
 inductor's own oneDNN graph, a check on the noise). Two engines of SmolLM2-135M compiled in one process, median decode
 step (30 steps, one prompt repeated per row) at batch 1, 4 and 16 in 3 interleaved rounds.
@@ -15,7 +15,7 @@ import statistics
 import torch
 
 from bench.step_profile import MODEL, median_step_ms
-from native_engine import model as native_model
+from native_engine import cpu_linear as native_model
 from native_engine.engine import EngineConfig, NativeEngine
 
 torch.set_num_threads(2)

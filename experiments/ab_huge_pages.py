@@ -1,5 +1,5 @@
 """Side by side (ad hoc, 2026-12-05): the panel weights gathered on 2 MB pages in the order a
-forward streams them (`Transformer.gather_panels`, native_engine/huge_pages.py) against the same
+forward streams them (`native_engine.cpu_linear.gather_panels`, native_engine/huge_pages.py) against the same
 copies on ordinary 4 KB pages (each copied back out of the region). Two engines of SmolLM2-135M
 in one process, eager, then both compiled (--compile), median decode step (30 steps, one prompt
 repeated per row) at batch 1, 4 and 16 in interleaved rounds; greedy tokens compared; the
@@ -15,7 +15,7 @@ import torch
 
 from bench.step_profile import MODEL, PROMPT, median_step_ms
 from native_engine.engine import EngineConfig, NativeEngine
-from native_engine.model import CpuLinear
+from native_engine.cpu_linear import CpuLinear
 from native_engine.requests import SamplingParams
 
 torch.set_num_threads(2)

@@ -12,7 +12,7 @@ import torch
 
 from bench.step_profile import MODEL, PROMPT, median_step_ms
 from native_engine.engine import EngineConfig, NativeEngine
-from native_engine.model import CpuLinear
+from native_engine.cpu_linear import CpuLinear
 from native_engine.requests import SamplingParams
 
 torch.set_num_threads(2)

@@ -18,7 +18,7 @@ from torch.utils.cpp_extension import load as build
 
 from native_engine import cpu_kernels
 from native_engine.engine import EngineConfig, NativeEngine
-from native_engine.model import CpuLinear
+from native_engine.cpu_linear import CpuLinear
 
 torch.set_num_threads(2)
 assert cpu_kernels.load(), "the CPU kernels do not build here"

@@ -18,7 +18,7 @@ import torch
 from bench.native_engine import engine_prompts
 from bench.step_profile import MODEL
 from native_engine.engine import EngineConfig, NativeEngine
-from native_engine.model import Packing, causal_mask
+from native_engine.attention import Packing, causal_mask
 from native_engine.tree import attention_mask
 
 torch.set_num_threads(2)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-import native_engine.model as M
+import native_engine.attention as M
 from prepare.models import resolve_model
 from adaspec.policy import SpecPolicy
 from bench.native_budget import MAX_SEQ_LEN, MODEL, REQUESTS, request_set
@@ -29,7 +29,7 @@ kernel = decode_attention.tree_attention
 
 def torch_attention(q, keys, values, counts, allowed):
     B, T, H, Dh = q.shape
-    return M.attend(q.transpose(1, 2), keys, values, M._forward.inputs.mask).transpose(1, 2).reshape(B, T, H * Dh)
+    return M.attend(q.transpose(1, 2), keys, values, M.in_progress.inputs.mask).transpose(1, 2).reshape(B, T, H * Dh)
 
 
 base = NativeEngine.from_pretrained(MODEL, config=EngineConfig(max_batch_size=1, max_seq_len=MAX_SEQ_LEN))
