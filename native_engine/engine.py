@@ -272,7 +272,7 @@ class NativeEngine:
         return "|".join([
             machine_cache.machine_key(), device, machine_cache.model_key(model.args, model.lm_head.weight.dtype),
             f"rows={self.config.max_batch_size},positions={self.config.max_seq_len},tree={self.config.max_tree_nodes}",
-            f"matmuls={model.linear_choice},kernel={model.uses_decode_kernel()},compiled={model.compiled_decode is not None}",
+            f"matmuls={model.linear_choice and model.linear_choice.paths()},kernel={model.uses_decode_kernel()},compiled={model.compiled_decode is not None}",
             f"kernel_sources={cpu_kernels.sources_digest()}",
             f"layouts={CALIBRATION_LAYOUTS},repeats={CALIBRATION_REPEATS},prompts={CALIBRATION_PROMPTS}",
         ])

@@ -77,7 +77,10 @@ class LinearChoice:
         by_rows = [self.path_by_tokens[min(c for c in counts if c >= r)] for r in range(1, counts[-1] + 1)]
         return (by_rows[0], *by_rows, "packed")
 
-    def __str__(self) -> str:
+    def paths(self) -> str:
+        """The paths a pass takes, by its rows; the same text whether measured or read from
+        the cache (the step-cost cache keys on it: a replica that reads the choice another
+        measured must find that one's calibration)."""
         route = self.prefill_route()
         runs: list[list] = []  # [first rows, last rows (None: and above), path]
         for rows, path in enumerate(route[1:], start=1):
@@ -88,10 +91,12 @@ class LinearChoice:
         runs[-1][1] = None
         ranges = ", ".join(f"{first}{'+' if last is None else '' if last == first else f'-{last}'}: {path}"
                            for first, last, path in runs)
-        how = "cached" if self.cached else "measured"
         if self.steps is not None:
-            return f"matmul path of decode steps and verify passes {self.steps}, of prefills by tokens {ranges} ({how})"
-        return f"matmul path by tokens per pass {ranges} ({how})"
+            return f"matmul path of decode steps and verify passes {self.steps}, of prefills by tokens {ranges}"
+        return f"matmul path by tokens per pass {ranges}"
+
+    def __str__(self) -> str:
+        return f"{self.paths()} ({'cached' if self.cached else 'measured'})"
 
 
 def paths_for(linears: list) -> tuple[str, ...]:

@@ -203,6 +203,20 @@ def test_a_second_engine_of_the_same_layout_loads_the_calibration(target, tmp_pa
     assert not loaded and {p[1] for p in other.budget.cost.anchor_passes} == {1, 2}
 
 
+def test_a_replica_that_read_the_matmul_choice_from_the_cache_loads_the_calibration(tmp_path, monkeypatch):
+    """A replacement replica reads the matmul paths the replica before it measured: its
+    step-cost key names the same paths, so it loads that replica's calibration (the key once
+    said "measured" or "cached" too, and a replacement timed its step cost again)."""
+    monkeypatch.setenv("ADASPEC_CACHE_DIR", str(tmp_path))
+    measured, read = (build_model(tiny_args(vocab_size=64, head_dim=8), seed=1, init_std=0.15).prepare_for_serving()
+                      for _ in range(2))
+    assert not measured.linear_choice.cached and read.linear_choice.cached
+    _, loaded = _engine(measured, "auto", batch=2).load_or_calibrate_step_cost()
+    assert not loaded
+    _, loaded = _engine(read, "auto", batch=2).load_or_calibrate_step_cost()
+    assert loaded
+
+
 def test_the_node_budget_is_respected_and_recorded_exactly(target):
     engine = _engine(target, "budget5")
     engine.generate(_prompts(6), SamplingParams(max_tokens=60))
