@@ -37,12 +37,47 @@ def speculative_config(cfg: AppConfig) -> dict[str, Any]:
         # the lookup list that AdaspecScheduler replaces live.
         "num_speculative_tokens_per_batch_size": spec.initial_policy().to_vllm_table(cfg.max_num_seqs),
     }
-    if spec.method == "ngram":
+    if spec.method in ("ngram", "ngram_gpu"):
         out["prompt_lookup_min"] = spec.prompt_lookup_min
         out["prompt_lookup_max"] = spec.prompt_lookup_max
-    elif spec.method == "draft_model":
+    elif spec.method == "custom_class":
+        out["model"] = spec.proposer_class  # vLLM imports the class named by `model`
+    elif spec.draft_model is not None:  # draft_model, eagle, eagle3; mtp without it: the target's own layers
         out["model"] = resolve_model(spec.draft_model)
+    if spec.draft_tensor_parallel_size is not None:
+        out["draft_tensor_parallel_size"] = spec.draft_tensor_parallel_size
     return out
+
+
+# Which vLLM 0.32 model runner a GPU engine uses, by drafting method: the one whose drafter
+# drafts the step's k rather than always max_k (docs/configuration.md, "Drafting methods").
+# On CUDA, with Triton, vLLM picks Model Runner V2 unless told (vllm/config/vllm.py,
+# VllmConfig.use_v2_model_runner); on CPU there is no Triton backend, and it runs V1.
+# - "0" (V1) for draft_model and mtp: V2's draft-model speculator and its multi-module MTP
+#   speculator draft max_k steps every step and ignore the k they are passed (v1/worker/gpu/
+#   spec_decode/standalone_ar/speculator.py and multi_module_mtp/speculator.py, propose), so
+#   `off` would cost as much drafting as chain{max_k}; V1's proposers draft k
+#   (v1/spec_decode/llm_base_proposer.py, propose). Whether an MTP checkpoint is multi-module
+#   is known only once vLLM reads it, so mtp runs V1 always.
+# - "0" for ngram: V2 replaces the CPU n-gram proposer by its GPU kernel, which drafts max_k
+#   (v1/worker/gpu/spec_decode/ngram/speculator.py); V1's drafts k (ngram_proposer.py).
+# - "0" for custom_class: V2 refuses it and vLLM would fall back to V1 anyway; saying so
+#   keeps a later V2 from changing the drafter under adaspec.
+# - "1" for ngram_gpu: V1's GPU n-gram proposer asserts k == max_k every step
+#   (v1/spec_decode/ngram_proposer_gpu.py, propose), so the first `off` step would kill a V1
+#   engine; V2's kernel drafts max_k and the runner masks the drafts past k (cheap: no model).
+# - eagle, eagle3: vLLM's default. Both runners draft only k (V2: target_dependent_ar/
+#   speculator.py); V2 keeps full CUDA graphs under a per-batch-size k, which V1 gives up for
+#   piecewise ones (vllm/config/vllm.py, _maybe_override_dynamic_sd_cudagraph_mode).
+# The variable reaches the engine through the replica's runtime_env; vLLM copies its own
+# variables to Ray-launched workers (vllm/ray/ray_env.py, get_env_vars_to_copy).
+V2_MODEL_RUNNER_ENV = {"draft_model": "0", "mtp": "0", "ngram": "0", "custom_class": "0", "ngram_gpu": "1"}
+
+
+def model_runner_env(cfg: AppConfig) -> dict[str, str]:
+    """The engine's VLLM_USE_V2_MODEL_RUNNER on a GPU (see V2_MODEL_RUNNER_ENV); {} for vLLM's default."""
+    value = V2_MODEL_RUNNER_ENV.get(cfg.speculation.method)
+    return {} if value is None else {"VLLM_USE_V2_MODEL_RUNNER": value}
 
 
 def native_settings(cfg: AppConfig) -> NativeSettings:
@@ -196,6 +231,7 @@ def _placement(cfg: AppConfig) -> dict[str, Any]:
             "strategy": "STRICT_PACK",  # tensor parallelism stays within one node
         },
         "deployment_config": _scaling_and_routing(cfg),
+        "runtime_env": {"env_vars": model_runner_env(cfg)},
     }
 
 

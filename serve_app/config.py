@@ -25,36 +25,93 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+# The drafting methods adaspec serves: each drafts on demand the k the live policy asks for
+# (docs/configuration.md, "Drafting methods": which model runner drafts only k and which
+# always drafts max_k). vLLM 0.32's other methods are refused with the reason; the names are
+# pinned against vLLM's own list by tests/test_vllm_contract.py.
+DraftMethod = Literal["ngram", "ngram_gpu", "draft_model", "eagle", "eagle3", "mtp", "custom_class"]
+MODEL_METHODS = ("draft_model", "eagle", "eagle3", "mtp")  # speculation.draft_model is vLLM's `model`
+HEAD_METHODS = ("eagle", "eagle3")  # a head trained on the target's hidden states; no default
+HEAD_EXAMPLES = {"eagle": "yuhuili/EAGLE-LLaMA3-Instruct-8B", "eagle3": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"}
+
 # Measured 2026-12-02 (docs/field-notes.md): with arctic_inference.suffix_decoding built
 # (scripts/build-suffix-decoding.sh), vLLM 0.32's SuffixDecodingProposer.propose asserts that
 # the step's k equals the k it was started with, so the first step under `off` or a shorter
 # chain kills the engine; adaspec's policies change k every step.
-SUFFIX_UNSUPPORTED = ("method: suffix is not supported with vLLM 0.32: its suffix-decoding proposer asserts one "
-                      "fixed k per step, and adaspec's live policies change k (the engine died on the first `off` "
-                      "step); use ngram or draft_model")
+SUFFIX_UNSUPPORTED = ("method: suffix is not supported with vLLM 0.32: suffix decoding proposes a variable number "
+                      "of tokens per request and its proposer asserts one fixed k per step, while adaspec's live "
+                      "policies change k (the engine died on the first `off` step); adaspec's live k needs a "
+                      "drafter that drafts k tokens on demand")
+_ON_DEMAND = "; adaspec's live k needs a drafter that drafts k tokens on demand"
+REFUSED_METHODS = {
+    "suffix": SUFFIX_UNSUPPORTED,
+    "medusa": "method: medusa is not supported with vLLM 0.32: its heads predict a fixed number of positions and "
+              "MedusaProposer.propose asserts that the step's k equals the configured one (v1/spec_decode/"
+              "medusa.py), so the first step under a shorter chain or `off` would kill the engine" + _ON_DEMAND,
+    "mlp_speculator": "method: mlp_speculator is not supported with vLLM 0.32: neither model runner builds a "
+                      "proposer for it (the V1 runner has no branch, V2 lists it unsupported)" + _ON_DEMAND,
+    "dflash": "method: dflash is not supported with vLLM 0.32: DFlash drafts the checkpoint's whole block of "
+              "positions in one parallel pass whatever k is, so a live k saves no drafting and adaspec's step-cost "
+              "model (k drafter passes) would misprice every config" + _ON_DEMAND,
+    "dspark": "method: dspark is not supported with vLLM 0.32: DSpark drafts a fixed block in parallel and "
+              "chooses how many drafts to verify itself (adaptive verification), which a live policy would fight; "
+              "the V2 model runner also refuses it" + _ON_DEMAND,
+    "extract_hidden_states": "method: extract_hidden_states is not a drafter: it records the target's hidden "
+                             "states (for training a drafter) and proposes no tokens" + _ON_DEMAND,
+}
+# vLLM 0.32 renames each model-specific MTP method (deepseek_mtp, qwen3_next_mtp, ...) to `mtp`
+# with a deprecation warning (vllm/config/speculative.py, SpeculativeConfig.__post_init__).
+MTP_ALIAS_SUFFIX = "_mtp"
 
 
 class SpeculationConfig(_Strict):
     """How the engine drafts, and the policy it starts with."""
 
-    method: Literal["ngram", "draft_model", "suffix"] = Field(
-        default="ngram", description="drafter: n-gram prompt lookup or a small draft model; `suffix` (vLLM's "
-        "suffix decoding) is refused with the reason: vLLM 0.32 cannot vary its k per step"
+    method: DraftMethod = Field(
+        default="ngram", description="drafter: `ngram` (prompt lookup on the CPU), `ngram_gpu` (the same on the GPU; "
+        "accelerator gpu only), `draft_model` (a small model of the same vocabulary), `eagle` / `eagle3` (an EAGLE "
+        "or EAGLE-3 head in draft_model), `mtp` (the target's own multi-token-prediction layers, or a checkpoint in "
+        "draft_model), `custom_class` (a vLLM proposer class of your own, proposer_class); vLLM's other methods "
+        "(suffix, medusa, mlp_speculator, dflash, dspark, extract_hidden_states) are refused with the reason"
     )
     max_k: int = Field(
         default=4, ge=1, le=16,
         description="draft tokens per step the engine is started for; live policies may use 0..max_k",
     )
     draft_model: str | None = Field(
-        default=None, description="draft model (embedded name, folder or HF id); method draft_model only"
+        default=None, description="the draft model (draft_model) or head (eagle, eagle3, mtp) as an embedded name, "
+        "folder or HF id: vLLM's speculative_config.model; required for draft_model, eagle and eagle3, optional "
+        "for mtp (default: the target's own MTP layers)"
     )
-    prompt_lookup_min: int = Field(default=2, ge=1, description="ngram: shortest n-gram matched (tokens)")
-    prompt_lookup_max: int = Field(default=4, ge=1, description="ngram: longest n-gram matched (tokens)")
+    draft_tensor_parallel_size: int | None = Field(
+        default=None, ge=1,
+        description="draft_model, eagle, eagle3, mtp: tensor-parallel ranks of the drafter, 1 or tensor_parallel_size "
+        "(vLLM's rule); default tensor_parallel_size",
+    )
+    proposer_class: str | None = Field(
+        default=None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+$",
+        description="custom_class only: import path of the proposer class (`package.module.Class`), which vLLM "
+        "builds with its VllmConfig in each worker (vllm/v1/spec_decode/custom_class_proposer.py); vLLM's "
+        "speculative_config.model",
+    )
+    prompt_lookup_min: int = Field(default=2, ge=1, description="ngram, ngram_gpu: shortest n-gram matched (tokens)")
+    prompt_lookup_max: int = Field(default=4, ge=1, description="ngram, ngram_gpu: longest n-gram matched (tokens)")
     policy: str = Field(
         default="chain4",
         description="policy at start, same syntax as `adaspec policy set`: e.g. `1-2:chain4,3-8:chain2,9+:off` "
         "(batch sizes -> config); engine native also runs trees and per-request budgets (`auto`, `budgetN`)",
     )
+
+    @field_validator("method", mode="before")
+    @classmethod
+    def _refuse_with_reason(cls, value: object) -> object:
+        if isinstance(value, str):
+            if value in REFUSED_METHODS:
+                raise ValueError(REFUSED_METHODS[value])
+            if value.endswith(MTP_ALIAS_SUFFIX):
+                raise ValueError(f"method: vLLM 0.32 renames {value} to mtp (with a deprecation warning); "
+                                 f"write `method: mtp`, the head (if not the target's own layers) in draft_model")
+        return value
 
     @field_validator("policy")
     @classmethod
@@ -67,10 +124,20 @@ class SpeculationConfig(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> SpeculationConfig:
-        if self.method == "suffix":
-            raise ValueError(SUFFIX_UNSUPPORTED)
-        if (self.method == "draft_model") != (self.draft_model is not None):
-            raise ValueError("draft_model must be set exactly when method is 'draft_model'")
+        method = self.method
+        if method == "draft_model" and self.draft_model is None:
+            raise ValueError("speculation.draft_model: method draft_model needs a draft model")
+        if method in HEAD_METHODS and self.draft_model is None:
+            raise ValueError(f"speculation.draft_model: method {method} needs the head's weights (e.g. "
+                             f"{HEAD_EXAMPLES[method]}); vLLM has no default head")
+        if method not in MODEL_METHODS and self.draft_model is not None:
+            raise ValueError(f"speculation.draft_model: method {method} drafts without a model; remove it "
+                             f"(read by {', '.join(MODEL_METHODS)})")
+        if method not in MODEL_METHODS and self.draft_tensor_parallel_size is not None:
+            raise ValueError(f"speculation.draft_tensor_parallel_size: method {method} has no draft model to split")
+        if (method == "custom_class") != (self.proposer_class is not None):
+            raise ValueError("speculation.proposer_class: the proposer's import path is set exactly when method is "
+                             "custom_class")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
         depth = self.initial_policy().max_depth
@@ -246,12 +313,27 @@ class AppConfig(_Strict):
                              "(engine_kwargs.enforce_eager turns that off)")
         elif any(rule.config.per_request for rule in self.speculation.initial_policy().rules):
             raise ValueError("speculation.policy: per-request budgets (auto, budgetN) need engine: native")
+        self._check_drafter()
         if self.compile_autotune and not self.compile_decode:
             raise ValueError("compile_autotune: tunes what compile_decode compiles; set compile_decode: true too")
         if self.autoscaling is not None and self.num_replicas != 1:
             raise ValueError("num_replicas: a fixed replica count and autoscaling exclude each other; "
                              "set autoscaling.min_replicas/max_replicas instead")
         return self
+
+    def _check_drafter(self) -> None:
+        """The drafting method against the engine, the accelerator and the tensor parallelism."""
+        spec = self.speculation
+        if self.engine == "native" and spec.method not in ("ngram", "draft_model"):
+            raise ValueError(f"speculation.method: engine native drafts with ngram or draft_model, not {spec.method}")
+        if spec.method == "ngram_gpu" and self.accelerator != "gpu":
+            # V1's GPU n-gram proposer asserts the configured k every step (vllm/v1/spec_decode/
+            # ngram_proposer_gpu.py, propose), so it runs only under Model Runner V2: CUDA and Triton.
+            raise ValueError("speculation.method: ngram_gpu runs on accelerator gpu only; use ngram on cpu")
+        draft_tp = spec.draft_tensor_parallel_size
+        if draft_tp not in (None, 1, self.tensor_parallel_size):
+            raise ValueError(f"speculation.draft_tensor_parallel_size: vLLM splits a drafter over 1 rank or over the "
+                             f"target's {self.tensor_parallel_size}, not {draft_tp}")
 
     def _check_native(self) -> None:
         """Reject the fields the native engine has no equivalent for, naming the field."""
@@ -298,17 +380,20 @@ class AppConfig(_Strict):
         after resolve_models."""
         from prepare.models import attention_heads, resolve_model
 
-        tp = self.tensor_parallel_size
-        if tp == 1:
-            return
-        refs = [("model", self.model)]
-        if self.speculation.draft_model:
-            refs.append(("speculation.draft_model", self.speculation.draft_model))
-        for field, ref in refs:
+        spec = self.speculation
+        refs = [("model", self.model, "tensor_parallel_size", self.tensor_parallel_size)]
+        if spec.draft_model:
+            tp_field = ("speculation.draft_tensor_parallel_size" if spec.draft_tensor_parallel_size
+                        else "tensor_parallel_size")
+            refs.append(("speculation.draft_model", spec.draft_model, tp_field,
+                         spec.draft_tensor_parallel_size or self.tensor_parallel_size))
+        for field, ref, tp_field, tp in refs:
+            if tp == 1:
+                continue
             heads = attention_heads(resolve_model(ref, prepare=False))
             if heads is not None and heads % tp:
                 fits = [n for n in range(1, heads + 1) if heads % n == 0]
-                raise ValueError(f"tensor_parallel_size: {tp} does not divide the {heads} attention heads of "
+                raise ValueError(f"{tp_field}: {tp} does not divide the {heads} attention heads of "
                                  f"{field} {ref!r}; sizes that do: {fits}")
 
     def resolve_models(self) -> None:

@@ -323,5 +323,110 @@ def test_build_app_with_autoscaling_and_router():
 
 def test_suffix_decoding_is_refused_with_the_reason():
     # vLLM 0.32's suffix proposer asserts a fixed k; a live policy's `off` killed the engine.
-    with pytest.raises(ValidationError, match="speculation\n.*method: suffix is not supported with vLLM 0.32"):
+    with pytest.raises(ValidationError, match="speculation.method\n.*method: suffix is not supported with vLLM 0.32"):
         AppConfig.model_validate({"speculation": {"method": "suffix"}})
+
+
+# ---------------------------------------------------------------------- drafting methods
+EAGLE3_HEAD = "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
+TABLE = [[1, 64, 4]]  # the default policy chain4 over max_num_seqs 64
+
+# method's speculation block -> the speculative_config vLLM gets, and the engine's
+# VLLM_USE_V2_MODEL_RUNNER on a GPU (None: vLLM's default).
+ACCEPTED = [
+    ({"method": "ngram"},
+     {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4}, "0"),
+    ({"method": "ngram_gpu", "prompt_lookup_min": 3},
+     {"method": "ngram_gpu", "prompt_lookup_min": 3, "prompt_lookup_max": 4}, "1"),
+    ({"method": "draft_model", "draft_model": "meta-llama/Llama-3.2-1B-Instruct", "draft_tensor_parallel_size": 1},
+     {"method": "draft_model", "model": "meta-llama/Llama-3.2-1B-Instruct", "draft_tensor_parallel_size": 1}, "0"),
+    ({"method": "eagle", "draft_model": "yuhuili/EAGLE-LLaMA3-Instruct-8B"},
+     {"method": "eagle", "model": "yuhuili/EAGLE-LLaMA3-Instruct-8B"}, None),
+    ({"method": "eagle3", "draft_model": EAGLE3_HEAD},
+     {"method": "eagle3", "model": EAGLE3_HEAD}, None),
+    ({"method": "mtp"},  # the target's own MTP layers: vLLM fills `model` with the target
+     {"method": "mtp"}, "0"),
+    ({"method": "mtp", "draft_model": "org/mtp-head"},
+     {"method": "mtp", "model": "org/mtp-head"}, "0"),
+    ({"method": "custom_class", "proposer_class": "my_pkg.drafters.MyProposer"},
+     {"method": "custom_class", "model": "my_pkg.drafters.MyProposer"}, "0"),
+]
+
+
+@pytest.mark.parametrize("spec,expected,v2", ACCEPTED, ids=[f"{a['method']}-{i}" for i, (a, _, _) in enumerate(ACCEPTED)])
+def test_each_accepted_method_builds_the_speculative_config_vllm_gets(spec, expected, v2):
+    import dataclasses
+
+    from vllm.config import SpeculativeConfig
+
+    cfg = AppConfig.model_validate({"accelerator": "gpu", "speculation": spec})
+    config = llm_config(cfg)
+    got = config.engine_kwargs["speculative_config"]
+    assert got == {**expected, "num_speculative_tokens": 4, "num_speculative_tokens_per_batch_size": TABLE}
+    # Every key is a field of vLLM's own SpeculativeConfig: nothing it would reject by name.
+    assert set(got) <= {f.name for f in dataclasses.fields(SpeculativeConfig)}
+    env = config.runtime_env["env_vars"]
+    assert env.get("VLLM_USE_V2_MODEL_RUNNER") == v2
+
+
+@pytest.mark.parametrize("method,reason", [
+    ("suffix", "proposes a variable number of tokens per request"),
+    ("medusa", "asserts that the step's k equals the configured one"),
+    ("mlp_speculator", "neither model runner builds a proposer"),
+    ("dflash", "whole block of positions in one parallel pass"),
+    ("dspark", "chooses how many drafts to verify itself"),
+    ("extract_hidden_states", "is not a drafter"),
+    ("deepseek_mtp", "vLLM 0.32 renames deepseek_mtp to mtp"),
+    ("qwen3_next_mtp", "write `method: mtp`"),
+    ("lookahead", "Input should be 'ngram', 'ngram_gpu', 'draft_model', 'eagle', 'eagle3', 'mtp' or 'custom_class'"),
+])
+def test_refused_methods_fail_at_start_naming_the_field_and_the_reason(method, reason):
+    with pytest.raises(ValidationError) as err:
+        AppConfig.model_validate({"accelerator": "gpu", "speculation": {"method": method}})
+    assert "speculation.method\n" in str(err.value) and reason in str(err.value)
+
+
+@pytest.mark.parametrize("args,field,reason", [
+    ({"speculation": {"method": "eagle3"}}, "speculation.draft_model", EAGLE3_HEAD),
+    ({"speculation": {"method": "eagle"}}, "speculation.draft_model", "needs the head's weights"),
+    ({"speculation": {"method": "draft_model"}}, "speculation.draft_model", "needs a draft model"),
+    ({"speculation": {"method": "ngram", "draft_model": "x/y"}}, "speculation.draft_model", "drafts without a model"),
+    ({"speculation": {"method": "custom_class"}}, "speculation.proposer_class", "import path"),
+    ({"speculation": {"method": "ngram", "proposer_class": "a.B"}}, "speculation.proposer_class", "exactly when"),
+    ({"speculation": {"method": "custom_class", "proposer_class": "org/repo"}}, "speculation.proposer_class",
+     "should match pattern"),
+    ({"speculation": {"method": "ngram", "draft_tensor_parallel_size": 1}}, "speculation.draft_tensor_parallel_size",
+     "no draft model"),
+    ({"tensor_parallel_size": 4, "speculation": {"method": "eagle3", "draft_model": EAGLE3_HEAD,
+                                                 "draft_tensor_parallel_size": 2}},
+     "speculation.draft_tensor_parallel_size", "over 1 rank or over the target's 4"),
+    ({"accelerator": "cpu", "speculation": {"method": "ngram_gpu"}}, "speculation.method", "accelerator gpu only"),
+    ({"engine": "native", "speculation": {"method": "eagle3", "draft_model": EAGLE3_HEAD}}, "speculation.method",
+     "engine native drafts with ngram or draft_model"),
+])
+def test_what_each_method_needs_is_checked_naming_the_field(args, field, reason):
+    with pytest.raises(ValidationError) as err:
+        AppConfig.model_validate({"accelerator": "gpu", **args})
+    assert field in str(err.value) and reason in str(err.value)
+
+
+def test_a_drafter_on_one_rank_need_not_divide_by_the_targets_ranks():
+    # The 4-head model split 4 ways, drafted by the 9-head one: on 4 ranks it cannot split, on 1 it need not.
+    draft = {"method": "draft_model", "draft_model": "smollm2-135m-instruct"}
+    with pytest.raises(ValueError, match="tensor_parallel_size: 4 does not divide the 9 attention heads of "
+                                         "speculation.draft_model"):
+        AppConfig(model="smollm2-135m-instruct-draft", tensor_parallel_size=4, speculation=draft).check_tensor_parallel()
+    one = {**draft, "draft_tensor_parallel_size": 1}
+    AppConfig(model="smollm2-135m-instruct-draft", tensor_parallel_size=4, speculation=one).check_tensor_parallel()
+
+
+@pytest.mark.parametrize("config,v2", [("app-gpu-tp2.yaml", "0"), ("app-gpu-eagle3.yaml", None)])
+def test_gpu_configs_pick_the_model_runner_that_drafts_the_live_k(config, v2):
+    """V2's draft-model speculator drafts max_k every step (serve_app/builder.py,
+    V2_MODEL_RUNNER_ENV): the draft-model app runs V1; the EAGLE-3 app keeps vLLM's default
+    (V2 on CUDA), whose EAGLE speculator drafts the step's k."""
+    cfg = AppConfig.from_yaml(str(REPO / "configs" / config))
+    assert llm_config(cfg).runtime_env["env_vars"].get("VLLM_USE_V2_MODEL_RUNNER") == v2
+    # On CPU vLLM has no Triton backend and always runs V1: nothing to set.
+    cpu = AppConfig.model_validate({**cfg.model_dump(), "accelerator": "cpu", "tensor_parallel_size": 1})
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in llm_config(cpu).runtime_env["env_vars"]

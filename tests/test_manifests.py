@@ -170,10 +170,14 @@ def test_one_replica_per_worker_pod(path):
         assert fits == 1, (group["groupName"], have, need)
 
 
-def test_rayservice_runs_the_gpu_config():
-    doc = _rayservice(REPO / "cluster" / "rayservice.yaml")
+@pytest.mark.parametrize("manifest,config", [
+    ("rayservice.yaml", "app-gpu-tp2.yaml"),          # a draft model
+    ("rayservice-eagle3.yaml", "app-gpu-eagle3.yaml"),  # an EAGLE-3 head
+])
+def test_rayservice_runs_the_gpu_config(manifest, config):
+    doc = _rayservice(REPO / "cluster" / manifest)
     serve_config = yaml.safe_load(doc["spec"]["serveConfigV2"])
-    gpu = yaml.safe_load((REPO / "configs" / "app-gpu-tp2.yaml").read_text())
+    gpu = yaml.safe_load((REPO / "configs" / config).read_text())
     assert serve_config["applications"] == gpu["applications"]
     (workers,) = doc["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     tp = gpu["applications"][0]["args"]["tensor_parallel_size"]
