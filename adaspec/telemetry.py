@@ -30,7 +30,7 @@ class StepRecord:
     """One engine step (schedule + forward + verify), as measured inside the engine."""
 
     time: float  # unix seconds at the end of the step
-    duration_s: float  # seconds from schedule() to the processed output
+    duration_s: float  # seconds from schedule() (or the previous step's end, if later) to the processed output
     batch_size: int  # requests scheduled in the step (prefill and decode)
     num_decode_reqs: int  # of those, requests decoding (verifying drafts or not)
     scheduled_tokens: int  # tokens run through the target model

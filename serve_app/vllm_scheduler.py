@@ -11,8 +11,23 @@ The engine core's attribute `scheduler` is this object, so a utility call named
 "scheduler" lands in `__call__` below. A policy applied by a call that has returned is
 therefore in force from the next scheduled step on, with no lock and no polling.
 
-Step timing: a step runs schedule() -> model forward (draft + verify) -> update_from_output();
-its duration is measured from the start of schedule() to the end of update_from_output().
+Two variants, one logic (`AdaspecMixin`): vLLM has two schedulers and picks one from
+`scheduler_config.async_scheduling`, which it resolves itself (on by default on CUDA for
+draft_model, EAGLE, MTP and ngram_gpu; forced off on CPU). Under async scheduling the engine
+schedules step N+1 before step N's output is back, so the drafts step N+1 verifies do not
+exist yet: only `AsyncScheduler` schedules placeholders for them (the worker fills them in).
+The synchronous `Scheduler` under async scheduling schedules no draft for verification at
+all, with no error. So `AdaspecScheduler`, the name the app passes as `scheduler_cls`, is a
+factory: vLLM constructs it after resolving the setting, and it returns
+`AdaspecAsyncScheduler` or `AdaspecSyncScheduler` to match. Each variant refuses to start
+under the other mode.
+
+Step timing: a step runs schedule() -> model forward (draft + verify) -> update_from_output().
+Under async scheduling two steps are in flight (step N+1's schedule() runs before step N's
+update_from_output()), so a step is measured from the later of its schedule() start and the
+previous step's update_from_output() end, to its own update_from_output() end: step times
+never overlap and add up to the engine's busy time. Under sync scheduling this is the time
+from schedule() to update_from_output().
 """
 
 from __future__ import annotations
@@ -22,8 +37,11 @@ import time
 from adaspec.engine_contract import PolicySlot
 from adaspec.policy import OPEN_END, PolicyRule, SpecConfig, SpecPolicy
 from adaspec.telemetry import EngineCapabilities, RequestLifetimes, StepRecord
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
+
+SCHEDULER_PATH = "serve_app.vllm_scheduler.AdaspecScheduler"
 
 
 def _policy_from_vllm_table(table: list, version: int = 0) -> SpecPolicy:
@@ -35,11 +53,21 @@ def _policy_from_vllm_table(table: list, version: int = 0) -> SpecPolicy:
     return SpecPolicy(version=version, rules=tuple(rules))
 
 
-class AdaspecScheduler(Scheduler):
-    """vLLM's scheduler, plus a live policy and a per-step telemetry buffer (a PolicySlot)."""
+class AdaspecMixin:
+    """A live policy and a per-step telemetry buffer (a PolicySlot), over one of vLLM's
+    schedulers. A variant sets ASYNC to the `scheduler_config.async_scheduling` it is for."""
+
+    ASYNC: bool
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        resolved = bool(self.scheduler_config.async_scheduling)
+        if resolved != self.ASYNC:
+            other = AdaspecAsyncScheduler if resolved else AdaspecSyncScheduler
+            raise RuntimeError(
+                f"{type(self).__name__} runs with scheduler_config.async_scheduling={self.ASYNC}, but vLLM "
+                f"resolved it to {resolved}; use {other.__name__}, or {SCHEDULER_PATH}, which picks the variant"
+            )
         spec = self.vllm_config.speculative_config
         if spec is None or self.dynamic_sd_lookup is None:
             raise RuntimeError(
@@ -50,9 +78,13 @@ class AdaspecScheduler(Scheduler):
                                           max_k=self.num_spec_tokens, supports_trees=False,
                                           draft_method=spec.method)
         self._slot = PolicySlot(capabilities, _policy_from_vllm_table(spec.num_speculative_tokens_per_batch_size))
-        self._pending: dict[int, tuple[float, StepRecord]] = {}  # id(scheduler_output) -> start
+        # id(scheduler_output) -> (schedule() start, its record, its output): up to two steps in
+        # flight under async scheduling. The output is kept for the rejected-draft correction.
+        self._pending: dict[int, tuple[float, StepRecord, object]] = {}
         self._step_spec_stats = None
-        self._prev_k = 0  # k decided by the previous step: what this step verifies
+        self._prev_k = 0  # k decided by the previous scheduled step: what the next one verifies
+        self._clock = time.perf_counter  # tests inject their own
+        self._last_update_end = float("-inf")  # clock at the end of the previous update_from_output
         self._lifetimes = RequestLifetimes()
 
     # ------------------------------------------------------------------ control channel
@@ -79,17 +111,20 @@ class AdaspecScheduler(Scheduler):
 
     # ------------------------------------------------------------------ step recording
     def schedule(self, *args, **kwargs):
-        start = time.perf_counter()
+        start = self._clock()
         output = super().schedule(*args, **kwargs)
         num_scheduled = output.num_scheduled_tokens  # req_id -> tokens this step
         batch = len(num_scheduled)
         if batch == 0:
             return output
-        spec_tokens = output.scheduled_spec_decode_tokens  # req_id -> draft token ids
+        spec_tokens = output.scheduled_spec_decode_tokens  # req_id -> draft token ids (-1: placeholder)
         decode = prefill = context = 0
         for req_id, n_tokens in num_scheduled.items():
             request = self.requests[req_id]
-            # schedule() has already advanced num_computed_tokens by this step's tokens.
+            # schedule() has already advanced num_computed_tokens by this step's tokens. Under
+            # async scheduling it also counts the previous step's tokens still in flight (its
+            # sampled token and drafts, as placeholders), so a decode's `before` is past the
+            # prompt there too; the drafts it rejects are taken off in update_from_output.
             before = request.num_computed_tokens - n_tokens
             context += before
             if before >= request.num_prompt_tokens and n_tokens == 1 + len(spec_tokens.get(req_id, ())):
@@ -103,7 +138,7 @@ class AdaspecScheduler(Scheduler):
             policy_version=self._slot.policy.version, draft_k=self._prev_k,
         )
         self._prev_k = output.num_spec_tokens_to_schedule
-        self._pending[id(output)] = (start, record)
+        self._pending[id(output)] = (start, record, output)
         self._lifetimes.step(num_scheduled, batch, record.config)
         return output
 
@@ -118,23 +153,63 @@ class AdaspecScheduler(Scheduler):
         return super()._free_request(request, *args, **kwargs)
 
     def make_stats(self, spec_decoding_stats=None, *args, **kwargs):
-        # Called once per update_from_output with this step's SpecDecodingStats.
+        # update_from_output calls this once, at its end, with the SpecDecodingStats of the
+        # step it is updating (the engine's own calls outside a step pass none).
         self._step_spec_stats = spec_decoding_stats
         return super().make_stats(spec_decoding_stats, *args, **kwargs)
 
     def update_from_output(self, scheduler_output, model_runner_output):
         self._step_spec_stats = None
         outputs = super().update_from_output(scheduler_output, model_runner_output)
+        now = self._clock()
         pending = self._pending.pop(id(scheduler_output), None)
         if pending is not None:
-            start, record = pending
-            now = time.perf_counter()
-            record.duration_s = now - start
+            start, record, _ = pending
+            record.duration_s = now - max(start, self._last_update_end)
             record.time = time.time()
             stats = self._step_spec_stats
             if stats is not None:
                 record.num_drafts = stats.num_drafts
                 record.drafted_per_pos = list(stats.num_draft_tokens_per_pos)
                 record.accepted_per_pos = list(stats.num_accepted_tokens_per_pos)
+            if self._pending:
+                self._take_rejected_from_next(scheduler_output, model_runner_output)
             self._slot.record_step(record)
+        self._last_update_end = now
         return outputs
+
+    def _take_rejected_from_next(self, scheduler_output, model_runner_output) -> None:
+        """Async scheduling: the step scheduled after this one counted this step's drafts in its
+        requests' context before knowing which were accepted; the worker drops the rejected
+        ones, so the record does too."""
+        sampled = model_runner_output.sampled_token_ids  # [request index] -> 1 + accepted tokens
+        index = model_runner_output.req_id_to_index
+        rejected = {req_id: len(drafts) - max(len(sampled[index[req_id]]) - 1, 0)
+                    for req_id, drafts in scheduler_output.scheduled_spec_decode_tokens.items()
+                    if sampled and req_id in index}
+        for _, later, later_output in self._pending.values():
+            later.context_tokens -= sum(n for req_id, n in rejected.items()
+                                        if req_id in later_output.num_scheduled_tokens)
+
+
+class AdaspecSyncScheduler(AdaspecMixin, Scheduler):
+    """For `scheduler_config.async_scheduling` off (vLLM's CPU build; pooling models)."""
+
+    ASYNC = False
+
+
+class AdaspecAsyncScheduler(AdaspecMixin, AsyncScheduler):
+    """For `scheduler_config.async_scheduling` on (vLLM's default on CUDA for most drafters)."""
+
+    ASYNC = True
+
+
+class AdaspecScheduler:
+    """The `scheduler_cls` the app passes to vLLM: constructing it returns the variant that
+    matches the resolved `scheduler_config.async_scheduling` (EngineCore constructs the
+    scheduler with keyword arguments, `vllm_config=` among them, after resolving it)."""
+
+    def __new__(cls, *args, vllm_config, **kwargs):
+        variant = AdaspecAsyncScheduler if vllm_config.scheduler_config.async_scheduling else AdaspecSyncScheduler
+        # Not an instance of cls, so Python does not call __init__ a second time.
+        return variant(*args, vllm_config=vllm_config, **kwargs)
