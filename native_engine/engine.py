@@ -207,6 +207,7 @@ class NativeEngine:
 
         return compiled_decode.compile_decode(self.model, warm_up, autotune, cpp_wrapper)
 
+    @torch.no_grad()  # as serving runs: a pass with grad would recompile the compiled graphs (compile_decode)
     def calibrate_step_cost(self, batch_sizes: tuple[int, ...] | None = None,
                             prompt_lengths: tuple[int, ...] = CALIBRATION_PROMPTS) -> float:
         """Time verify passes of set tree layouts (CALIBRATION_LAYOUTS) at each batch size and
