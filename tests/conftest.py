@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -159,6 +160,11 @@ def pytest_unconfigure(config):
     and not root-caused. Every test result and the status are unchanged."""
     status = getattr(config, "adaspec_exit_status", None)
     if status is not None:
+        # What is alive at this point, for whoever roots the crash out: the Python threads by
+        # name, and how many OS threads the process holds (torch's, Ray's and gRPC's C++ pools).
+        others = sorted(t.name for t in threading.enumerate() if t is not threading.main_thread())
+        print(f"\n[teardown] {len(os.listdir('/proc/self/task'))} OS threads; Python threads besides the main "
+              f"one: {others}", file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)
