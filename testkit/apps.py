@@ -73,12 +73,7 @@ def app_in_own_cluster(config: str, port: int, workdir: Path, label: str, model:
     log = workdir / "serve.log"
     proc = ServeProcess(REPO / "configs" / config, f"http://127.0.0.1:{port}", log,
                         env={"RAY_ADDRESS": "local", "ADASPEC_CONTROLLER_DIR": str(workdir / "controller")})
-    proc.start()
-    try:
-        ready_s = proc.wait_ready(model)
-    except BaseException:
-        proc.stop()
-        raise
+    ready_s = proc.start_ready(model)
     print(f"\n[{label}] ready {ready_s:.0f} s after `serve run` (log: {log})")
     yield proc
     proc.stop()

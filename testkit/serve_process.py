@@ -88,6 +88,15 @@ class ServeProcess:
                                      stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                      preexec_fn=_default_sigint)
 
+    def start_ready(self, model: str, timeout_s: float = READY_TIMEOUT_S) -> float:
+        """start() and wait_ready(); everything it started is stopped if that fails."""
+        self.start()
+        try:
+            return self.wait_ready(model, timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
     def log_tail(self, n: int = 60) -> str:
         lines = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join(line[:400] for line in lines[-n:] if "Attempted to load weight" not in line)

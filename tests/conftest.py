@@ -121,12 +121,7 @@ def server(tmp_path_factory):
     proc = ServeProcess(REPO / "configs" / "app.yaml", URL, log,
                         env={"ADASPEC_CONTROLLER_DIR": str(workdir / "controller")})
     start = time.monotonic()
-    proc.start()
-    try:
-        ready_s = proc.wait_ready(MODEL)
-    except BaseException:
-        proc.stop()
-        raise
+    ready_s = proc.start_ready(MODEL)
     print(f"\n[server] ready {ready_s:.0f} s after `serve run` (log: {log})")
     proc.ready_s = ready_s
     yield proc

@@ -32,12 +32,7 @@ def autoscaling_app(cluster, tmp_path_factory) -> ServeProcess:
     config = workdir / "app-autoscaling.yaml"
     config.write_text(yaml.safe_dump(doc))
     proc = ServeProcess(config, URL, workdir / "serve.log", env=cluster.join_env())
-    proc.start()
-    try:
-        proc.wait_ready(MODEL)
-    except BaseException:
-        proc.stop()
-        raise
+    proc.start_ready(MODEL)
     yield proc
     proc.stop()
 
