@@ -24,18 +24,22 @@ from serve_app.ingress import ENDPOINTS, AdaspecIngress, ingress_app
 from serve_app.native_adapter import AdaspecNativeEngine, NativeSettings
 from serve_app.ray_llm import LLMConfig, build_llm_deployment, make_fastapi_ingress, to_model_metadata
 from serve_app.replica import ReplicaSettings, SpecReplica
+from serve_app.vllm_cudagraphs import START_POLICY_ENV, capture_sizes, capture_table
 from serve_app.vllm_engine import SCHEDULER_CLS
 
 
 def speculative_config(cfg: AppConfig) -> dict[str, Any]:
-    """vLLM's `speculative_config`, started at max_k with the initial policy as its table."""
+    """vLLM's `speculative_config`, started at max_k with a table holding every k of 0..max_k."""
     spec = cfg.speculation
     out: dict[str, Any] = {
         "method": spec.method,
         "num_speculative_tokens": spec.max_k,
         # Must be set at start: without it vLLM pads every decode to max_k and ignores
-        # the lookup list that AdaspecScheduler replaces live.
-        "num_speculative_tokens_per_batch_size": spec.initial_policy().to_vllm_table(cfg.max_num_seqs),
+        # the lookup list that AdaspecScheduler replaces live. It is not the start policy
+        # (that one reaches the scheduler in START_POLICY_ENV): vLLM's Model Runner V2 captures
+        # CUDA graphs for the k values of this table only, so it holds every k a policy may
+        # use (serve_app/vllm_cudagraphs.py).
+        "num_speculative_tokens_per_batch_size": capture_table(cfg.max_num_seqs, spec.max_k),
     }
     if spec.method in ("ngram", "ngram_gpu"):
         out["prompt_lookup_min"] = spec.prompt_lookup_min
@@ -80,6 +84,27 @@ def model_runner_env(cfg: AppConfig) -> dict[str, str]:
     return {} if value is None else {"VLLM_USE_V2_MODEL_RUNNER": value}
 
 
+def start_policy_env(cfg: AppConfig) -> dict[str, str]:
+    """The replica's START_POLICY_ENV: the configured start policy, which AdaspecScheduler
+    installs (vLLM's own table is capture_table's, which holds every k)."""
+    return {START_POLICY_ENV: str(cfg.speculation.initial_policy())}
+
+
+def compilation_config(cfg: AppConfig) -> dict[str, Any]:
+    """vLLM's `compilation_config` on a GPU: CUDA graphs captured for every (batch size, k) a
+    policy may run, not only for the start policy's k (serve_app/vllm_cudagraphs.py says what
+    vLLM 0.32 would capture otherwise). A compilation_config in engine_kwargs is kept as given;
+    capture sizes are added unless it names its own (or its maximum)."""
+    given = cfg.engine_kwargs.get("compilation_config")
+    if given is not None and not isinstance(given, dict):
+        return given  # an optimization level or a JSON string: the user's to decide
+    given = dict(given or {})
+    if "cudagraph_capture_sizes" in given or "max_cudagraph_capture_size" in given:
+        return given
+    sizes = capture_sizes(cfg.max_num_seqs, cfg.speculation.max_k, cfg.engine_kwargs.get("max_num_batched_tokens"))
+    return {**given, "cudagraph_capture_sizes": sizes}
+
+
 def native_settings(cfg: AppConfig) -> NativeSettings:
     """What each native replica builds its NativeEngine from."""
     spec = cfg.speculation
@@ -119,6 +144,9 @@ def llm_config(cfg: AppConfig) -> LLMConfig:
         "scheduler_cls": SCHEDULER_CLS,
         "speculative_config": speculative_config(cfg),
     }
+    if not on_cpu:
+        # vLLM's CPU build captures no CUDA graphs (it clears the capture sizes itself).
+        engine_kwargs["compilation_config"] = compilation_config(cfg)
     tokenizer = tokenizer_folder(resolve_model(cfg.model))
     if tokenizer is not None and "tokenizer" not in engine_kwargs:
         engine_kwargs["tokenizer"] = tokenizer
@@ -215,7 +243,7 @@ def _placement(cfg: AppConfig) -> dict[str, Any]:
             "placement_group_config": ({"bundles": [{"CPU": 1}] * tp, "strategy": "STRICT_PACK"} if tp > 1
                                        else {"bundles": [{"CPU": 1}]}),
             "deployment_config": {**_scaling_and_routing(cfg), "ray_actor_options": {"num_cpus": 0}},
-            "runtime_env": {"env_vars": env_vars},
+            "runtime_env": {"env_vars": {**env_vars, **start_policy_env(cfg)} if cfg.engine == "vllm" else env_vars},
         }
     if cfg.engine == "native":
         # The native engine runs in the replica actor itself, so the actor holds the GPU
@@ -231,7 +259,7 @@ def _placement(cfg: AppConfig) -> dict[str, Any]:
             "strategy": "STRICT_PACK",  # tensor parallelism stays within one node
         },
         "deployment_config": _scaling_and_routing(cfg),
-        "runtime_env": {"env_vars": model_runner_env(cfg)},
+        "runtime_env": {"env_vars": {**model_runner_env(cfg), **start_policy_env(cfg)}},
     }
 
 

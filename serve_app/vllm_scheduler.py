@@ -5,6 +5,12 @@ speculation length of a step from `Scheduler.dynamic_sd_lookup`, a dense list
 batch size -> k built once from `num_speculative_tokens_per_batch_size`. We replace that
 list when a policy arrives, so a policy costs nothing per step.
 
+The start policy is not vLLM's table: the app builder starts vLLM with a table that holds
+every k of 0..max_k, so that vLLM captures CUDA graphs for each (serve_app/vllm_cudagraphs.py),
+and passes the configured start policy in the environment (START_POLICY_ENV), which the
+scheduler installs in place of vLLM's lookup before the first step. A vLLM engine started by
+hand without it starts from its table, as before.
+
 The channel: EngineCore dispatches a utility call by attribute name,
 `getattr(engine_core, name)(*args)`, between two steps, in the engine loop's own thread.
 The engine core's attribute `scheduler` is this object, so a utility call named
@@ -32,11 +38,13 @@ from schedule() to update_from_output().
 
 from __future__ import annotations
 
+import os
 import time
 
 from adaspec.engine_contract import PolicySlot
 from adaspec.policy import OPEN_END, PolicyRule, SpecConfig, SpecPolicy
 from adaspec.telemetry import EngineCapabilities, RequestLifetimes, StepRecord
+from serve_app.vllm_cudagraphs import START_POLICY_ENV, capture_table
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
@@ -77,7 +85,8 @@ class AdaspecMixin:
         capabilities = EngineCapabilities(engine="vllm", max_batch_size=self.scheduler_config.max_num_seqs,
                                           max_k=self.num_spec_tokens, supports_trees=False,
                                           draft_method=spec.method)
-        self._slot = PolicySlot(capabilities, _policy_from_vllm_table(spec.num_speculative_tokens_per_batch_size))
+        self._slot = PolicySlot(capabilities, self._start_policy(spec.num_speculative_tokens_per_batch_size))
+        self.dynamic_sd_lookup = [c.depth for c in self._slot.table]
         # id(scheduler_output) -> (schedule() start, its record, its output): up to two steps in
         # flight under async scheduling. The output is kept for the rejected-draft correction.
         self._pending: dict[int, tuple[float, StepRecord, object]] = {}
@@ -86,6 +95,20 @@ class AdaspecMixin:
         self._clock = time.perf_counter  # tests inject their own
         self._last_update_end = float("-inf")  # clock at the end of the previous update_from_output
         self._lifetimes = RequestLifetimes()
+
+    def _start_policy(self, vllm_table: list) -> SpecPolicy:
+        """The configured start policy (START_POLICY_ENV), in the form vLLM's table would give it
+        (clipped to max_num_seqs, the last rule open-ended); else vLLM's table itself."""
+        text = os.environ.get(START_POLICY_ENV)
+        max_batch = self.scheduler_config.max_num_seqs
+        if text:
+            return _policy_from_vllm_table(SpecPolicy.parse(text).to_vllm_table(max_batch))
+        if [list(row) for row in vllm_table] == capture_table(max_batch, self.num_spec_tokens):
+            # The app's capture table without the policy meant to replace it: running it would
+            # serve a policy nobody chose (chain max_k at batch 1, one less at batch 2, ...).
+            raise RuntimeError(f"AdaspecScheduler: vLLM was started with adaspec's CUDA-graph capture table but "
+                               f"{START_POLICY_ENV} (the start policy) is not set in the engine's environment")
+        return _policy_from_vllm_table(vllm_table)
 
     # ------------------------------------------------------------------ control channel
     def __bool__(self) -> bool:  # EngineCore evaluates `getattr(...) and call(...)`

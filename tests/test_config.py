@@ -69,7 +69,11 @@ def test_cpu_app_fits_two_cores_and_starts_with_the_policy():
     config = llm_config(cfg)
     spec = config.engine_kwargs["speculative_config"]
     assert spec["method"] == "ngram" and spec["num_speculative_tokens"] == cfg.speculation.max_k
-    assert spec["num_speculative_tokens_per_batch_size"] == [[1, cfg.max_num_seqs, 4]]
+    # vLLM's table holds every k (its CUDA graphs; serve_app/vllm_cudagraphs.py); the start
+    # policy reaches AdaspecScheduler in the environment.
+    assert spec["num_speculative_tokens_per_batch_size"] == [[1, 1, 4], [2, 2, 3], [3, 3, 2], [4, 4, 1],
+                                                              [5, cfg.max_num_seqs, 0]]
+    assert config.runtime_env["env_vars"]["ADASPEC_START_POLICY"] == "1+:chain4"
     assert config.engine_kwargs["scheduler_cls"] == "serve_app.vllm_scheduler.AdaspecScheduler"
     assert config.placement_group_config == {"bundles": [{"CPU": 1}]}
     assert config.deployment_config["ray_actor_options"]["num_cpus"] == 0
@@ -80,7 +84,8 @@ def test_vllm_cluster_app_runs_one_unbound_thread_per_engine():
     cfg = AppConfig.from_yaml(str(REPO / "configs" / "app-cluster-vllm.yaml"))
     config = llm_config(cfg)
     assert cfg.engine == "vllm" and cfg.num_replicas == 2
-    assert config.runtime_env["env_vars"] == {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    assert config.runtime_env["env_vars"] == {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                                              "ADASPEC_START_POLICY": str(cfg.speculation.initial_policy())}
     assert config.placement_group_config == {"bundles": [{"CPU": 1}]}  # one replica per 1-CPU node
     assert config.deployment_config["ray_actor_options"]["num_cpus"] == 0
     # Without cpu_threads vLLM keeps its own binding.
@@ -329,7 +334,7 @@ def test_suffix_decoding_is_refused_with_the_reason():
 
 # ---------------------------------------------------------------------- drafting methods
 EAGLE3_HEAD = "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
-TABLE = [[1, 64, 4]]  # the default policy chain4 over max_num_seqs 64
+TABLE = [[1, 1, 4], [2, 2, 3], [3, 3, 2], [4, 4, 1], [5, 64, 0]]  # every k of 0..4 over max_num_seqs 64
 
 # method's speculation block -> the speculative_config vLLM gets, and the engine's
 # VLLM_USE_V2_MODEL_RUNNER on a GPU (None: vLLM's default).
