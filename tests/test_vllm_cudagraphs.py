@@ -166,6 +166,10 @@ def test_every_batch_size_and_k_runs_a_captured_graph(config_name, tokens, tmp_p
     graphs = resolve_graphs(tmp_path, monkeypatch, engine_kwargs, env, tokens)
     max_num_seqs = engine_kwargs["max_num_seqs"]
     max_k = engine_kwargs["speculative_config"]["num_speculative_tokens"]
+    # vLLM keeps adaspec's sizes as given, but those above the token budget: no rounding to
+    # multiples of 1 + max_k (that applies to V1 with full decode graphs only).
+    given = engine_kwargs["compilation_config"]["cudagraph_capture_sizes"]
+    assert graphs.sizes == tuple(s for s in given if s <= tokens)
     eager = sorted(step for step, m in graphs.step_mode.items() if m == "NONE")
     assert not eager, f"{config_name}: {len(eager)} (batch, k) steps run eager, e.g. {eager[:5]}"
     if not graphs.v2:
