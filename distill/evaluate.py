@@ -84,22 +84,38 @@ def format_rate(value: float | None, width: int = 0) -> str:
 
 
 def replay_stats(accept_probs: list[torch.Tensor]) -> tuple[list[float | None], dict[int, float]]:
+    """Speculative decoding replayed along each path, in expectation (exact for greedy), for a
+    draft whose proposal for a position does not depend on where its chain started (a draft
+    model read teacher-forced): accept_probs[s][t] is the probability that a draft token
+    proposed for generated position t is accepted (greedy: a bool tensor, True on a match).
+    `replay_chains` with chain position i of a chain starting at t reading a[t + i]."""
+    chains = []
+    for a in accept_probs:
+        a = a.double()
+        n = a.shape[0]
+        padded = torch.cat([a, torch.zeros(MAX_POSITION, dtype=torch.float64)])
+        chains.append(torch.stack([padded[i:i + n] for i in range(MAX_POSITION)]))
+    return replay_chains(chains)
+
+
+def replay_chains(chains: list[torch.Tensor]) -> tuple[list[float | None], dict[int, float]]:
     """Speculative decoding replayed along each path, in expectation (exact for greedy).
 
-    accept_probs[s][t]: probability that a draft token proposed for generated position t is
-    accepted (greedy: a bool tensor, True on a match). A step starts at t, verifies up to k draft
-    tokens, gains the accepted run plus the target's bonus token, and the next step starts
-    after them. Returns the conditional acceptance per position 1..MAX_POSITION over the steps
-    of k = MAX_POSITION (None where no step reached a position), and E(k) = tokens / steps
-    for k = 1..MAX_POSITION. Steps start where a chain just ended, often at a hard token, so
-    these rates are lower than matches counted from every position."""
-    paths = [a.double().tolist() for a in accept_probs]
-    reach, accept = [0.0] * MAX_POSITION, [0.0] * MAX_POSITION
+    chains[p][i, t]: probability that the i-th draft token of a chain that starts at generated
+    position t is accepted given the ones before it were ([S, n]; entries with t + i >= n are
+    never read). A step starts at t, verifies up to k draft tokens, gains the accepted run plus
+    the target's bonus token, and the next step starts after them. Returns the conditional
+    acceptance per position 1..S over the steps of k = S (None where no step reached a
+    position), and E(k) = tokens / steps for k = 1..S. Steps start where a chain just ended,
+    often at a hard token, so these rates are lower than matches counted from every position."""
+    paths = [c.double().tolist() for c in chains]
+    S = max((len(c) for c in paths), default=MAX_POSITION)
+    reach, accept = [0.0] * S, [0.0] * S
     lengths = {}
-    for k in range(1, MAX_POSITION + 1):
+    for k in range(1, S + 1):
         tokens = steps = 0.0
         for a in paths:
-            n = len(a)
+            n = len(a[0]) if a else 0
             start = [0.0] * (n + k + 2)  # [t] probability that a step starts at t
             start[0] = 1.0
             for t in range(n):
@@ -109,13 +125,13 @@ def replay_stats(accept_probs: list[torch.Tensor]) -> tuple[list[float | None], 
                 steps += w
                 prod = 1.0  # P(draft tokens t .. t+i-1 all accepted)
                 for i in range(min(k, n - t)):
-                    if k == MAX_POSITION:
+                    if k == S:
                         reach[i] += w * prod
-                    rejected = prod * (1.0 - a[t + i])
+                    rejected = prod * (1.0 - a[i][t])
                     tokens += w * rejected * (i + 1)
                     start[t + i + 1] += w * rejected
-                    prod *= a[t + i]
-                    if k == MAX_POSITION:
+                    prod *= a[i][t]
+                    if k == S:
                         accept[i] += w * prod
                 run = min(k, n - t)  # every verified token accepted
                 tokens += w * prod * (run + 1)
