@@ -54,6 +54,16 @@ class StepRecord:
     nodes_per_seq: list[int] = field(default_factory=list)
     accepted_per_seq: list[int] = field(default_factory=list)
     node_budget: int | None = None  # per-request budgets: draft nodes the engine kept (B); else None
+    # Shadow acceptance: drafts the drafter WOULD have made at each step for every k up to
+    # max_k, scored against the tokens the target produced, whatever k ran (`off` included),
+    # in the per-position terms above. Counted in the step whose output settled them (up to
+    # max_k steps after the draft). `shadow_source` says how they were made: "" none,
+    # "ngram-replay" (vLLM's n-gram matching replayed on each request's history,
+    # serve_app/ngram_shadow.py: exact for greedy requests, an estimate for sampled ones).
+    shadow_source: str = ""
+    shadow_seqs: int = 0  # shadow drafts settled: sequences the drafter was asked for, drafted or not
+    shadow_drafted_per_pos: list[int] = field(default_factory=list)  # [position] -> sequences
+    shadow_accepted_per_pos: list[int] = field(default_factory=list)  # [position] -> sequences
 
 
 @dataclass(slots=True)

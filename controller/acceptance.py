@@ -14,8 +14,14 @@ Terms (Leviathan et al. 2023; Sequoia, Chen et al. 2024; docs/papers.md sections
 
 The model keeps exponentially decayed counts (half-life in seconds), so a change of workload
 shows within a few half-lives. Decay stops at `min_evidence` first-position candidates: when
-speculation is off no new evidence arrives, and the model keeps its last beliefs instead of
-sliding back to the prior (the controller probes explicitly, see controller.core).
+no new evidence arrives, the model keeps its last beliefs instead of sliding back to the prior
+(the controller probes explicitly, see controller.core).
+
+Shadow acceptance (StepRecord.shadow_*: an n-gram drafter's drafts replayed on the produced
+tokens for every k up to max_k, serve_app/ngram_shadow.py) feeds the same counts, at the
+positions the step did not verify: all of them while `off` runs, those past the k in force
+otherwise. So the model keeps learning every chain's acceptance while speculation is off.
+Where a step verified drafts, its own counts stand (exact, and from the drafts that ran).
 """
 
 from __future__ import annotations
@@ -101,18 +107,38 @@ def step_counts(step: StepRecord) -> tuple[np.ndarray, np.ndarray]:
     min(accepted[i-1], drafted[i]) (exact when all sequences drafted the same length). At the
     first position every decoding sequence the drafter was asked for (step.draft_k >= 1)
     counts, drafted or not: a draft never proposed is a token not gained, so the rate then
-    includes the n-gram drafter's proposal rate."""
+    includes the n-gram drafter's proposal rate.
+
+    Past the positions the step verified (all of them under `off`), its shadow counts fill
+    in, by the same estimator, with every sequence whose shadow draft settled counting at the
+    first position."""
     if step.reached_per_depth_rank:
         return (np.asarray(step.reached_per_depth_rank, dtype=float),
                 np.asarray(step.accepted_per_depth_rank, dtype=float))
     k = min(max(len(step.drafted_per_pos), step.draft_k), MAX_DEPTH)
+    first = max(step.num_drafts, step.num_decode_reqs) if step.draft_k >= 1 else None
+    reached, accepted = _chain_counts(k, first, step.num_drafts, step.drafted_per_pos, step.accepted_per_pos)
+    shadow_k = min(len(step.shadow_drafted_per_pos), MAX_DEPTH)
+    if step.shadow_seqs and shadow_k > k:
+        shadow_reached, shadow_accepted = _chain_counts(shadow_k, step.shadow_seqs, step.shadow_seqs,
+                                                        step.shadow_drafted_per_pos, step.shadow_accepted_per_pos)
+        reached = np.concatenate([reached, shadow_reached[k:]])
+        accepted = np.concatenate([accepted, shadow_accepted[k:]])
+    return reached, accepted
+
+
+def _chain_counts(k: int, first: int | None, drafts: int, drafted_per_pos: list[int],
+                  accepted_per_pos: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(reached, accepted) per position, shape (k, 1), from per-position counts. `first`: the
+    sequences counted at the first position (asked for a draft, drafted or not), or None to
+    count only those that drafted; `drafts`: sequences that drafted at least one token."""
     reached = np.zeros((k, 1))
     accepted = np.zeros((k, 1))
-    prev = max(step.num_drafts, step.num_decode_reqs) if step.draft_k >= 1 else step.num_drafts
+    prev = drafts
     for i in range(k):
-        acc = step.accepted_per_pos[i] if i < len(step.accepted_per_pos) else 0
-        drafted = step.drafted_per_pos[i] if i < len(step.drafted_per_pos) else 0
-        reached[i, 0] = prev if i == 0 and step.draft_k >= 1 else min(prev, drafted)
+        acc = accepted_per_pos[i] if i < len(accepted_per_pos) else 0
+        drafted = drafted_per_pos[i] if i < len(drafted_per_pos) else 0
+        reached[i, 0] = first if i == 0 and first is not None else min(prev, drafted)
         accepted[i, 0] = acc
         prev = acc
     return reached, accepted
@@ -120,12 +146,15 @@ def step_counts(step: StepRecord) -> tuple[np.ndarray, np.ndarray]:
 
 def measured_proposal_rate(steps: list[StepRecord]) -> float | None:
     """Share of decoding sequences that got a draft when the drafter was asked for one
-    (draft_k >= 1; an n-gram drafter may find none); None when it never was."""
+    (draft_k >= 1; an n-gram drafter may find none), or, in steps that verified none, when
+    its shadow was (StepRecord.shadow_seqs); None when neither ever was."""
     asked = [s for s in steps if s.draft_k >= 1 and not s.config.per_request]  # budgets draft by choice
-    eligible = sum(s.num_decode_reqs for s in asked)
+    shadowed = [s for s in steps if s.draft_k == 0 and s.shadow_seqs]
+    eligible = sum(s.num_decode_reqs for s in asked) + sum(s.shadow_seqs for s in shadowed)
     if not eligible:
         return None
-    return min(sum(s.num_drafts for s in asked) / eligible, 1.0)
+    drafted = sum(s.num_drafts for s in asked) + sum(s.shadow_drafted_per_pos[0] for s in shadowed)
+    return min(drafted / eligible, 1.0)
 
 
 def measured_acceptance(steps: list[StepRecord], max_k: int) -> list[float]:

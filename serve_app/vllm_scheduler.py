@@ -34,6 +34,11 @@ update_from_output()), so a step is measured from the later of its schedule() st
 previous step's update_from_output() end, to its own update_from_output() end: step times
 never overlap and add up to the engine's busy time. Under sync scheduling this is the time
 from schedule() to update_from_output().
+
+Shadow acceptance (n-gram drafter only): after each step's output, serve_app/ngram_shadow.py
+replays vLLM's n-gram matching on every running request's history for k = max_k and scores
+it against the tokens produced since, whatever k is in force (`off` included); the step
+record carries the settled counts (StepRecord.shadow_*).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ import time
 from adaspec.engine_contract import PolicySlot
 from adaspec.policy import OPEN_END, PolicyRule, SpecConfig, SpecPolicy
 from adaspec.telemetry import EngineCapabilities, RequestLifetimes, StepRecord
+from serve_app.ngram_shadow import SHADOW_SOURCE, NgramShadow
 from serve_app.vllm_cudagraphs import START_POLICY_ENV, capture_table
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -95,6 +101,7 @@ class AdaspecMixin:
         self._clock = time.perf_counter  # tests inject their own
         self._last_update_end = float("-inf")  # clock at the end of the previous update_from_output
         self._lifetimes = RequestLifetimes()
+        self._shadow = NgramShadow.for_vllm(self.vllm_config)  # None unless the drafter is method: ngram
 
     def _start_policy(self, vllm_table: list) -> SpecPolicy:
         """The configured start policy (START_POLICY_ENV), in the form vLLM's table would give it
@@ -166,7 +173,10 @@ class AdaspecMixin:
         return output
 
     def _free_request(self, request, *args, **kwargs):
-        if request.status == RequestStatus.FINISHED_ABORTED:
+        aborted = request.status == RequestStatus.FINISHED_ABORTED
+        if self._shadow is not None:
+            self._shadow.finish(request.request_id, None if aborted else request.all_token_ids)
+        if aborted:
             self._lifetimes.discard(request.request_id)
         else:
             record = self._lifetimes.finish(request.request_id, request.arrival_time,
@@ -184,6 +194,9 @@ class AdaspecMixin:
     def update_from_output(self, scheduler_output, model_runner_output):
         self._step_spec_stats = None
         outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if self._shadow is not None:
+            # The requests that finished in this step were settled in _free_request.
+            self._shadow.observe_step(scheduler_output.num_scheduled_tokens, self.requests)
         now = self._clock()
         pending = self._pending.pop(id(scheduler_output), None)
         if pending is not None:
@@ -195,6 +208,12 @@ class AdaspecMixin:
                 record.num_drafts = stats.num_drafts
                 record.drafted_per_pos = list(stats.num_draft_tokens_per_pos)
                 record.accepted_per_pos = list(stats.num_accepted_tokens_per_pos)
+            if self._shadow is not None:
+                shadow = self._shadow.take()
+                record.shadow_source = SHADOW_SOURCE
+                record.shadow_seqs = shadow.seqs
+                record.shadow_drafted_per_pos = shadow.drafted_per_pos
+                record.shadow_accepted_per_pos = shadow.accepted_per_pos
             if self._pending:
                 self._take_rejected_from_next(scheduler_output, model_runner_output)
             self._slot.record_step(record)
