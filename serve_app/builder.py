@@ -305,7 +305,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     if cfg.engine == "native":
         bind_kwargs["engine_cls"] = functools.partial(AdaspecNativeEngine, settings=native_settings(cfg))
     replicas = build_llm_deployment(config, bind_kwargs=bind_kwargs, deployment_cls=SpecReplica)
-    ingress_cls = make_fastapi_ingress(AdaspecIngress, endpoint_map=ENDPOINTS, app=ingress_app())
+    ingress_cls = make_fastapi_ingress(AdaspecIngress, endpoint_map=ENDPOINTS, app=ingress_app(cfg.api_key_source))
     # On the head, beside the HTTP proxy (proxy_location: HeadOnly): the ingress holds every
     # open stream, so on a worker node a lost node would cut streams of every replica, not
     # just those of the replicas it ran.
@@ -316,4 +316,5 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         model_cards={cfg.model_id: to_model_metadata(cfg.model_id, config)},
         admin=cfg.admin,
         controller=cfg.controller,
+        api_key=cfg.api_key_source,
     )

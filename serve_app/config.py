@@ -199,6 +199,32 @@ class AdminConfig(_Strict):
         return value
 
 
+ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"  # a POSIX environment variable's name
+
+
+@dataclasses.dataclass(frozen=True)
+class ApiKeySource:
+    """Where the OpenAI routes' API key comes from: `api_key` itself or the variable
+    `api_key_env` names. What build_app hands the ingress, which resolves it where it runs:
+    on a cluster the variable is set in the pods, not on the machine that deploys."""
+
+    key: str | None = dataclasses.field(default=None, repr=False)  # kept out of logs and tracebacks
+    env: str | None = None
+
+    def resolve(self, environ: Mapping[str, str] = os.environ) -> str:
+        """The key in force. An unset or empty variable is an error, not "no key": that would
+        serve the routes open while the config says they are closed."""
+        if self.env is None:
+            assert self.key, "AppConfig validates a literal key as non-empty"
+            return self.key
+        value = environ.get(self.env)
+        if not value:
+            raise ValueError(f"api_key_env: the environment variable {self.env} is unset or empty where the "
+                             f"ingress runs; set it to the API key of the OpenAI routes (on Kubernetes, from a "
+                             f"Secret) or remove api_key_env")
+        return value
+
+
 class AutoscalingSettings(_Strict):
     """Ray Serve's own replica autoscaling (its `autoscaling_config` on the replica deployment)."""
 
@@ -295,6 +321,16 @@ class AppConfig(_Strict):
         default_factory=ControllerConfig,
         description="the adaptive controller that retunes every replica's policy",
     )
+    api_key: str | None = Field(
+        default=None, min_length=1,
+        description="API key the OpenAI routes (/v1/*) require as `Authorization: Bearer <key>` (vLLM's "
+        "--api-key); a wrong or missing key gets 401; /health and /admin are not covered. Readable by anyone "
+        "who can read the Serve config (`serve config`, the Ray dashboard): prefer api_key_env")
+    api_key_env: str | None = Field(
+        default=None, pattern=ENV_NAME,
+        description="name of an environment variable holding the API key (e.g. VLLM_API_KEY, set from a "
+        "Kubernetes Secret), read by the ingress when it starts; instead of api_key, so the key stays out of "
+        "the config")
     admin: AdminConfig = Field(default_factory=AdminConfig, description="the operator routes under /admin")
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict,
@@ -316,6 +352,8 @@ class AppConfig(_Strict):
         self._check_drafter()
         if self.compile_autotune and not self.compile_decode:
             raise ValueError("compile_autotune: tunes what compile_decode compiles; set compile_decode: true too")
+        if self.api_key is not None and self.api_key_env is not None:
+            raise ValueError("api_key and api_key_env exclude each other: give the key, or the variable holding it")
         if self.autoscaling is not None and self.num_replicas != 1:
             raise ValueError("num_replicas: a fixed replica count and autoscaling exclude each other; "
                              "set autoscaling.min_replicas/max_replicas instead")
@@ -350,6 +388,13 @@ class AppConfig(_Strict):
     @property
     def model_id(self) -> str:
         return self.served_model_name or self.model
+
+    @property
+    def api_key_source(self) -> ApiKeySource | None:
+        """Where the OpenAI routes' API key comes from; None when the routes are open."""
+        if self.api_key is None and self.api_key_env is None:
+            return None
+        return ApiKeySource(key=self.api_key, env=self.api_key_env)
 
     @property
     def router(self) -> Literal["spec_aware", "power_of_two"]:

@@ -2,6 +2,8 @@
 
 OpenAI routes (from ray.serve.llm): GET /v1/models, GET /v1/models/{id},
 POST /v1/completions, POST /v1/chat/completions (`stream: true` for server-sent events).
+With `api_key` or `api_key_env` set, every /v1 route needs `Authorization: Bearer <key>`
+(401 in OpenAI's error shape otherwise; serve_app/api_key.py), as vLLM's --api-key does.
 
 Readiness: GET /health answers 200 once every model has a replica whose engine can serve
 (Serve marks a replica RUNNING only after its engine started), else 503 with Retry-After;
@@ -27,8 +29,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import threading
 import time
+from collections.abc import Mapping
 from typing import Literal
 
 from fastapi import FastAPI, Request, Response, status
@@ -43,7 +47,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from adaspec.policy import PolicyError, SpecPolicy
 from controller.config import ControllerConfig
 from serve_app.admin_guard import AdminGuard
-from serve_app.config import AdminConfig
+from serve_app.api_key import ApiKeyCheck
+from serve_app.config import AdminConfig, ApiKeySource
 from serve_app.ray_llm import (
     DEFAULT_ENDPOINTS, ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse, OpenAIHTTPException,
     OpenAiIngress, broadcast, new_ingress_app, serve_client,
@@ -140,12 +145,17 @@ async def _openai_http_error(request: Request, exc: StarletteHTTPException) -> J
                   getattr(exc, "headers", None))
 
 
-def ingress_app() -> FastAPI:
+def ingress_app(api_key: ApiKeySource | None = None) -> FastAPI:
     """Ray Serve LLM's FastAPI app for the ingress, with FastAPI's errors in OpenAI's shape
-    and the bodies its routes would fail on refused with a 400."""
+    and the bodies its routes would fail on refused with a 400; given `api_key`, the /v1
+    routes need that key (serve_app/api_key.py)."""
     app = new_ingress_app()
     app.add_exception_handler(StarletteHTTPException, _openai_http_error)
     app.middleware("http")(_refuse_unservable_body)
+    if api_key is not None:
+        # Added last, so it runs first: a request without the key learns nothing else
+        # (not whether its body would parse) and costs no body read.
+        app.add_middleware(ApiKeyCheck, source=api_key)
     return app
 
 
@@ -160,16 +170,31 @@ def new_policy_version() -> int:
     return time.time_ns() // 1_000_000
 
 
+def check_api_key_source(source: ApiKeySource | None, environ: Mapping[str, str] = os.environ) -> None:
+    """Fail the ingress's start when the API key's variable is unset (ValueError naming
+    api_key_env), and warn when the routes are open though VLLM_API_KEY is set: a vLLM user's
+    habit, which adaspec (like Ray Serve LLM) does not read unless the config names it."""
+    if source is not None:
+        source.resolve(environ)
+    elif environ.get("VLLM_API_KEY"):
+        logger.warning("adaspec: VLLM_API_KEY is set but the config sets neither api_key nor api_key_env, so "
+                       "the OpenAI routes are open; set `api_key_env: VLLM_API_KEY` to require it")
+
+
 class AdaspecIngress(OpenAiIngress):
     """OpenAI ingress with admin routes that reach every replica of the model."""
 
     def __init__(self, llm_deployments, model_cards, *, admin: AdminConfig,
-                 controller: ControllerConfig | None = None, **kwargs):
+                 controller: ControllerConfig | None = None, api_key: ApiKeySource | None = None, **kwargs):
         super().__init__(llm_deployments, model_cards, **kwargs)
         # Checked once, at start: a missing token variable, or open routes on a public host,
         # fails the deployment here with the field named, instead of every admin call later.
         host = serve_client().get_serve_details()["http_options"]["host"] if admin.enabled else ""
         self._admin = AdminGuard(admin, host)
+        # The same for the API key's variable: ApiKeyCheck reads it too, but only when the app
+        # first runs (Serve's ASGI lifespan start-up, whose failure Serve reports as "ASGI
+        # lifespan startup failed", the reason left in the replica's log).
+        check_api_key_source(api_key)
         self._controller_config = controller
         self._app_name = serve.get_replica_context().app_name
         threading.Thread(target=self._announce_ready, name="adaspec-ready", daemon=True).start()

@@ -16,7 +16,7 @@ from cli.serve_config import ConfigError, check_serve_config
 from serve_app.admin_guard import AdminGuard
 from serve_app.ray_llm import OpenAIHTTPException
 from serve_app.builder import build_app, check_ranks_fit, llm_config
-from serve_app.config import AdminConfig, AppConfig
+from serve_app.config import AdminConfig, ApiKeySource, AppConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -435,3 +435,48 @@ def test_gpu_configs_pick_the_model_runner_that_drafts_the_live_k(config, v2):
     # On CPU vLLM has no Triton backend and always runs V1: nothing to set.
     cpu = AppConfig.model_validate({**cfg.model_dump(), "accelerator": "cpu", "tensor_parallel_size": 1})
     assert "VLLM_USE_V2_MODEL_RUNNER" not in llm_config(cpu).runtime_env["env_vars"]
+
+
+# The OpenAI routes' API key (serve_app/api_key.py; the request-level checks are in
+# tests/test_request_checks.py).
+@pytest.mark.parametrize("args,field", [
+    ({"api_key": "s3cret", "api_key_env": "VLLM_API_KEY"}, "api_key and api_key_env exclude each other"),
+    ({"api_key_env": "not a name"}, "api_key_env"),
+    ({"api_key_env": ""}, "api_key_env"),
+    ({"api_key": ""}, "api_key"),  # an empty key would mean open routes; say so instead
+])
+def test_api_key_fields_are_checked(args, field):
+    with pytest.raises(ValidationError) as err:
+        AppConfig.model_validate(args)
+    assert field in str(err.value)
+
+
+def test_api_key_source_follows_the_fields(monkeypatch):
+    assert AppConfig().api_key_source is None  # no key: the routes are open, as before
+    assert AppConfig(api_key="s3cret").api_key_source.resolve({}) == "s3cret"
+    source = AppConfig(api_key_env="ADASPEC_TEST_API_KEY").api_key_source
+    assert source == ApiKeySource(env="ADASPEC_TEST_API_KEY")
+    assert source.resolve({"ADASPEC_TEST_API_KEY": "from-a-secret"}) == "from-a-secret"
+    for environ in [{}, {"ADASPEC_TEST_API_KEY": ""}]:
+        with pytest.raises(ValueError, match=r"^api_key_env: the environment variable ADASPEC_TEST_API_KEY"):
+            source.resolve(environ)
+    assert "s3cret" not in repr(AppConfig(api_key="s3cret").api_key_source)  # kept out of logs
+
+
+def test_build_app_hands_the_key_source_to_the_ingress_unread(monkeypatch):
+    """The deploying machine need not have the variable (on KubeRay only the pods do): build_app
+    passes where the key comes from, the ingress reads it where it runs."""
+    monkeypatch.delenv("ADASPEC_TEST_API_KEY", raising=False)
+    args = AppConfig.from_yaml(str(REPO / "configs" / "app.yaml")).model_dump()
+    args["api_key_env"] = "ADASPEC_TEST_API_KEY"
+    ingress = build_app(args)._bound_deployment
+    assert ingress.init_kwargs["api_key"] == ApiKeySource(env="ADASPEC_TEST_API_KEY")
+    assert build_app(AppConfig.from_yaml(str(REPO / "configs" / "app.yaml")).model_dump()
+                     )._bound_deployment.init_kwargs["api_key"] is None
+
+
+@pytest.mark.parametrize("config", ["app-gpu-tp2.yaml", "app-gpu-eagle3.yaml"])
+def test_gpu_configs_require_an_api_key_from_the_environment(config):
+    """The GPU configs serve on 0.0.0.0: their OpenAI routes take the key from vLLM's variable."""
+    cfg = AppConfig.from_yaml(str(REPO / "configs" / config))
+    assert cfg.api_key is None and cfg.api_key_env == "VLLM_API_KEY"

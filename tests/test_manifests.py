@@ -119,8 +119,9 @@ def test_kuberay_manifest_is_valid(path):
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=[p.name for p in MANIFESTS])
 def test_rayservice_runs_the_cluster_features(path):
-    """Controller on, Serve autoscaling behind the speculation-aware router, and admin routes
-    whose token every pod reads from a Secret (never a literal in the manifest)."""
+    """Controller on, Serve autoscaling behind the speculation-aware router, admin routes
+    whose token and OpenAI routes whose API key every pod reads from a Secret (never a
+    literal in the manifest)."""
     doc = _rayservice(path)
     cfg = AppConfig.model_validate(_app_args(doc))
     assert cfg.controller.enabled
@@ -128,12 +129,14 @@ def test_rayservice_runs_the_cluster_features(path):
     workers = doc["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     assert cfg.autoscaling.max_replicas <= sum(g["maxReplicas"] for g in workers)
     assert cfg.admin.enabled and cfg.admin.token is None and cfg.admin.token_env
+    assert cfg.api_key is None and cfg.api_key_env
     for group in _groups(doc):
-        # The ingress may be placed in any pod, so every container carries the variable.
+        # The ingress may be placed in any pod, so every container carries the variables.
         for container in group["template"]["spec"]["containers"]:
-            (var,) = [e for e in container.get("env", []) if e["name"] == cfg.admin.token_env]
-            assert "value" not in var, f"{container['name']}: the admin token is a literal"
-            assert {"name", "key"} <= set(var["valueFrom"]["secretKeyRef"]), container["name"]
+            for what, name in [("the admin token", cfg.admin.token_env), ("the API key", cfg.api_key_env)]:
+                (var,) = [e for e in container.get("env", []) if e["name"] == name]
+                assert "value" not in var, f"{container['name']}: {what} is a literal"
+                assert {"name", "key"} <= set(var["valueFrom"]["secretKeyRef"]), container["name"]
 
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=[p.name for p in MANIFESTS])
@@ -193,11 +196,12 @@ def test_rayservice_runs_the_gpu_config(manifest, config):
 
 def test_cpu_rayservice_runs_the_cluster_config():
     """The CPU manifest is configs/app-cluster.yaml's app, but for the replica count
-    (autoscaling) and the admin token (from a Secret rather than loopback-only routes)."""
+    (autoscaling), the admin token (from a Secret rather than loopback-only routes) and the
+    OpenAI routes' API key (the local app serves on loopback without one)."""
     doc = _rayservice(REPO / "cluster" / "rayservice-cpu.yaml")
     args = _app_args(doc)
     local = yaml.safe_load((REPO / "configs" / "app-cluster.yaml").read_text())["applications"][0]["args"]
-    differ = {"num_replicas", "autoscaling", "admin"}
+    differ = {"num_replicas", "autoscaling", "admin", "api_key_env"}
     assert {k: v for k, v in args.items() if k not in differ} == {k: v for k, v in local.items() if k not in differ}
     assert args["autoscaling"]["min_replicas"] >= local["num_replicas"]
     for group in _groups(doc):
