@@ -27,9 +27,8 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from native_engine.model import ModelArgs, ModelLoadError, RMSNorm, apply_rope, rope_tables, signed_sin
+from native_engine.model import MLP, ModelArgs, ModelLoadError, RMSNorm, apply_rope, rope_tables, signed_sin
 
 WEIGHTS = "model.safetensors"
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # vLLM's registry maps it to Eagle3LlamaForCausalLM
@@ -100,17 +99,6 @@ class Eagle3Attention(nn.Module):
         self.o_proj = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=False)
 
 
-class Eagle3MLP(nn.Module):
-    def __init__(self, a: ModelArgs):
-        super().__init__()
-        self.gate_proj = nn.Linear(a.dim, a.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(a.dim, a.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(a.intermediate_size, a.dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class Eagle3Layer(nn.Module):
     """The head's one decoder layer (`midlayer` in the checkpoint)."""
 
@@ -120,7 +108,7 @@ class Eagle3Layer(nn.Module):
         self.hidden_norm = RMSNorm(a.dim, a.norm_eps)
         self.self_attn = Eagle3Attention(a)
         self.post_attention_layernorm = RMSNorm(a.dim, a.norm_eps)
-        self.mlp = Eagle3MLP(a)
+        self.mlp = MLP(a)  # the target's MLP class: same names and shapes as vLLM's LlamaMLP
 
     def qkv_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
