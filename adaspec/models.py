@@ -44,11 +44,13 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
-# name -> folder under models/: drafts distilled by `adaspec distill-draft` (see their README.md)
+# name -> folder under models/: drafters the project trained (see their README.md): a draft
+# model from `adaspec distill-draft`, an EAGLE-3 head from `adaspec distill-eagle`
 BUNDLED_DRAFTS: dict[str, str] = {
     "smollm2-135m-instruct-draft": "smollm2-135m-instruct-draft",  # for smollm2-135m-instruct
+    "smollm2-135m-instruct-eagle3": "smollm2-135m-instruct-eagle3",  # for smollm2-135m-instruct (method: eagle3)
 }
-DRAFT_MARKER = "adaspec-draft.json"  # written last by distill-draft, lists the folder's files
+DRAFT_MARKER = "adaspec-draft.json"  # written last by distill-draft / distill-eagle, lists the folder's files
 
 
 class ModelError(ValueError):

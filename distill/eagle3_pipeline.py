@@ -31,7 +31,7 @@ from distill.eagle3_train import HeadTrainSettings, HeadTrainState, init_from_ta
 from distill.evaluate import format_rate
 from distill.pipeline import check_tokenizer, eos_ids, load_target, work_root
 from distill.teacher import TeacherSettings, generate_batch
-from native_engine.eagle3 import Eagle3Args, Eagle3Head, default_aux_layers, save_head
+from native_engine.eagle3 import Eagle3Args, Eagle3Head, default_aux_layers, load_head, save_head
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,8 @@ def distill_eagle(req: EagleRequest) -> tuple[Path, HeadEval, HeadTrainState]:
 
     hf = load_target_hf(folder)
     greedy, sampled = _heldout(target, hf, tok, eos_ids(folder), req, root, fingerprint, fs)
-    result = evaluate(head, embed, target, greedy, sampled, "sharegpt")
+    shipped = load_head(req.out)  # measured as written: bfloat16 weights, cast back as vLLM casts them
+    result = evaluate(shipped, embed, target, greedy, sampled, "sharegpt")
     info = {"target": req.target, "target_fingerprint": fingerprint, "aux_layers": list(fs.aux_layers),
             "draft_vocab": req.draft_vocab, "vocab_coverage": round(coverage, 4), "sequences": len(data),
             "positions": positions, "steps": state.step, "positions_seen": state.positions,
@@ -166,7 +167,7 @@ def model_card(target_ref: str, head: Eagle3Head, info: dict, result: HeadEval) 
         f"layer (hidden {a.target.dim}, {a.target.n_heads} heads, {a.target.n_kv_heads} KV heads, MLP "
         f"{a.target.intermediate_size}) reading [embedding, features]; a {a.draft_vocab_size}-token draft "
         f"vocabulary (covering {info['vocab_coverage']:.4f} of the target's greedy answer tokens in the data).",
-        f"- {params / 1e6:.1f} M parameters, float32.",
+        f"- {params / 1e6:.1f} M parameters, stored in bfloat16 (measured below as stored).",
         "",
         "## Training data and run",
         f"- Text: {info['conversations']} ShareGPT conversations (train split: chat-templated user turn + answer, "

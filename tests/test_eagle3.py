@@ -91,10 +91,13 @@ def test_saved_folder_has_vllm_names_and_config_and_loads_back(tmp_path):
     head = _head()
     target_config = {"bos_token_id": 1, "eos_token_id": 2, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
                      "max_position_embeddings": 256}
-    save_head(head, target_config, tmp_path / "head")
+    save_head(head, target_config, tmp_path / "head", dtype=torch.float32)
     from safetensors.torch import load_file
 
     assert set(load_file(str(tmp_path / "head" / "model.safetensors"))) == VLLM_NAMES
+    save_head(head, target_config, tmp_path / "bf16")  # the default: half the bytes, vLLM casts at load
+    stored = load_file(str(tmp_path / "bf16" / "model.safetensors"))
+    assert stored["fc.weight"].dtype == torch.bfloat16 and stored["d2t"].dtype == torch.long
     config = json.loads((tmp_path / "head" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
     assert config["draft_vocab_size"] == 40 and config["vocab_size"] == TINY.vocab_size
