@@ -35,11 +35,14 @@ class DrafterApp:
     config: str
     port: int  # the config's http_options
     method: str
-    min_acceptance: float  # of drafted tokens, greedy, on CHAT: well below what each drafter measures
+    # Of drafted tokens, greedy, chain4, on CHAT, a prompt both drafters do badly on. The head's
+    # offline replay (distill/eagle3_eval.py) predicts 10 of 148 along the target's greedy
+    # answer, and vLLM counted 10 of 148: the bound is well below, not a tuned number.
+    min_acceptance: float
 
 
 APPS = [DrafterApp("app-draft.yaml", 8002, "draft_model", 0.0),
-        DrafterApp("app-eagle.yaml", 8006, "eagle3", 0.25)]
+        DrafterApp("app-eagle.yaml", 8006, "eagle3", 0.03)]
 
 
 @pytest.fixture(scope="module", params=APPS, ids=[a.method for a in APPS])
