@@ -14,7 +14,7 @@ Steps (CPU: runs anywhere; CUDA: needs a CUDA device):
   CUDA  verify step time on Llama-3 8B / 1B shapes (python -m bench.tree_step_time)
 
 The tests run with --noconftest: tests/conftest.py imports Ray and httpx for the real-stack
-tests; the fixture these tests use comes from scripts/gpu_check_fixtures.py.
+tests; the fixture these tests use comes from testkit/torch_threads.py, which imports torch only.
 
     python scripts/gpu_check.py                # everything; exit 3 if there is no CUDA device
     python scripts/gpu_check.py --cpu-only     # the CPU steps alone (a machine without a GPU)
@@ -133,7 +133,7 @@ def run_check(check: Check, out: Path) -> Outcome:
     if check.tests:
         junit = folder / "junit.xml"
         argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--noconftest",
-                "-p", "gpu_check_fixtures", f"--junitxml={junit}", *check.tests]
+                "-p", "testkit.torch_threads", f"--junitxml={junit}", *check.tests]
     else:
         argv = [sys.executable, *(a.replace("{out}", str(folder)) for a in check.argv)]
     print(f"[gpu-check] {check.name}: {' '.join(argv[1:])}", flush=True)

@@ -23,21 +23,11 @@ from testkit.serve_process import REPO, ServeProcess, live_engine_processes
 from testkit.waits import wait_until
 
 # pytester: tests of pytest's own behaviour (test_time_limits.py); testkit.time_limits: every
-# test's time limit by tier (pyproject.toml's `timeout` for unit tests, more for slow ones).
-pytest_plugins = ["pytester", "testkit.time_limits"]
+# test's time limit by tier (pyproject.toml's `timeout` for unit tests, more for slow ones);
+# testkit.torch_threads: the one_torch_thread fixture (scripts/gpu_check.py loads it alone).
+pytest_plugins = ["pytester", "testkit.time_limits", "testkit.torch_threads"]
 
 CLUSTER_GCS_PORT = 6390  # the loopback cluster's head (and the next two ports)
-
-
-@pytest.fixture
-def one_torch_thread():
-    """Native-engine tests run torch on one thread: steadier timings, a core left for the rest."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # One logical CPU per node, one replica bundle each: two replicas must take two nodes.
