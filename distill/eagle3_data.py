@@ -72,15 +72,15 @@ def features(model, seqs: list[TeacherSequence], settings: FeatureSettings) -> l
             for b, (s, n) in enumerate(zip(seqs, lengths))]
 
 
-def batches(seqs: list[TeacherSequence], tokens_per_batch: int) -> list[list[TeacherSequence]]:
-    """Sequences grouped by length so padding stays small, in a fixed order."""
-    order = sorted(seqs, key=lambda s: len(s.tokens))
+def length_batches(lengths: list[int], tokens_per_batch: int) -> list[list[int]]:
+    """Indices grouped by length, shortest first, so that a padded batch stays within
+    `tokens_per_batch` and padding stays small."""
     out, cur = [], []
-    for s in order:
-        if cur and (len(cur) + 1) * len(s.tokens) > tokens_per_batch:
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if cur and (len(cur) + 1) * lengths[i] > tokens_per_batch:
             out.append(cur)
             cur = []
-        cur.append(s)
+        cur.append(i)
     if cur:
         out.append(cur)
     return out
@@ -95,7 +95,7 @@ def build(target_folder: Path, seqs: list[TeacherSequence], cache: Path, setting
     if path.is_file() and json.loads(path.read_text()) != json.loads(json.dumps(manifest)):
         raise DistillError(f"{cache}: features of another target or other settings; delete it or use another folder")
     path.write_text(json.dumps(manifest, indent=2))
-    groups = batches(seqs, settings.tokens_per_batch)
+    groups = [[seqs[i] for i in b] for b in length_batches([len(s.tokens) for s in seqs], settings.tokens_per_batch)]
     model, out, start, done = None, [], time.monotonic(), 0
     total = sum(len(s.tokens) for s in seqs)
     for i, group in enumerate(groups):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from distill.eagle3_data import FeatureSequence
+from distill.eagle3_data import FeatureSequence, length_batches
 from native_engine.eagle3 import Eagle3Head
 
 logger = logging.getLogger(__name__)
@@ -55,20 +55,6 @@ def init_from_target(head: Eagle3Head, target_state: dict[str, torch.Tensor], se
     lm = target_state.get("lm_head.weight", target_state["model.embed_tokens.weight"])
     head.lm_head.weight.data.copy_(lm[head.target_ids()])
     head.norm.weight.data.copy_(target_state["model.norm.weight"])
-
-
-def batches(data: list[FeatureSequence], tokens_per_batch: int, rng: random.Random) -> list[list[int]]:
-    order = sorted(range(len(data)), key=lambda i: len(data[i].tokens))
-    out, cur = [], []
-    for i in order:
-        if cur and (len(cur) + 1) * len(data[i].tokens) > tokens_per_batch:
-            out.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        out.append(cur)
-    rng.shuffle(out)
-    return out
 
 
 def collate(data: list[FeatureSequence], idx: list[int], steps: int, draft_index: torch.Tensor,
@@ -131,7 +117,8 @@ def train(head: Eagle3Head, embed: torch.nn.Embedding, data: list[FeatureSequenc
     rng = random.Random(settings.seed)
     draft_index = torch.full((head.args.target.vocab_size,), -1, dtype=torch.long)
     draft_index[head.target_ids()] = torch.arange(head.args.draft_vocab_size)
-    per_epoch = batches(data, settings.tokens_per_batch, rng)
+    per_epoch = length_batches([len(f.tokens) for f in data], settings.tokens_per_batch)
+    rng.shuffle(per_epoch)
     planned = max(int(len(per_epoch) * epochs), 1)
     opt = torch.optim.AdamW(head.parameters(), lr=settings.lr, weight_decay=settings.weight_decay,
                             betas=(0.9, 0.95))

@@ -191,15 +191,20 @@ class AdminConfig(_Strict):
         variable is an error rather than "no token", which would open the routes."""
         if self.token_env is None:
             return self.token
-        value = environ.get(self.token_env)
-        if not value:
-            raise ValueError(f"admin.token_env: the environment variable {self.token_env} is unset or empty "
-                             f"where the ingress runs; set it to the admin bearer token (on Kubernetes, from "
-                             f"a Secret) or remove admin.token_env")
-        return value
+        return secret_from_env("admin.token_env", self.token_env, "the admin bearer token", environ)
 
 
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"  # a POSIX environment variable's name
+
+
+def secret_from_env(field: str, variable: str, what: str, environ: Mapping[str, str]) -> str:
+    """The value of `variable`, which the config's `field` names. An unset or empty variable is an
+    error, not "no secret": that would serve routes open while the config says they are closed."""
+    value = environ.get(variable)
+    if not value:
+        raise ValueError(f"{field}: the environment variable {variable} is unset or empty where the ingress runs; "
+                         f"set it to {what} (on Kubernetes, from a Secret) or remove {field}")
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,12 +222,7 @@ class ApiKeySource:
         if self.env is None:
             assert self.key, "AppConfig validates a literal key as non-empty"
             return self.key
-        value = environ.get(self.env)
-        if not value:
-            raise ValueError(f"api_key_env: the environment variable {self.env} is unset or empty where the "
-                             f"ingress runs; set it to the API key of the OpenAI routes (on Kubernetes, from a "
-                             f"Secret) or remove api_key_env")
-        return value
+        return secret_from_env("api_key_env", self.env, "the API key of the OpenAI routes", environ)
 
 
 class AutoscalingSettings(_Strict):
