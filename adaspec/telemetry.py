@@ -64,6 +64,10 @@ class StepRecord:
     shadow_seqs: int = 0  # shadow drafts settled: sequences the drafter was asked for, drafted or not
     shadow_drafted_per_pos: list[int] = field(default_factory=list)  # [position] -> sequences
     shadow_accepted_per_pos: list[int] = field(default_factory=list)  # [position] -> sequences
+    # Seconds of adaspec's own work in the engine's thread since the previous record: the
+    # scheduler hooks (recording, shadow drafting) and the telemetry drains between steps.
+    # The engine without adaspec would have spent that much less (0: not measured).
+    overhead_s: float = 0.0
 
 
 @dataclass(slots=True)

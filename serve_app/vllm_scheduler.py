@@ -102,6 +102,7 @@ class AdaspecMixin:
         self._last_update_end = float("-inf")  # clock at the end of the previous update_from_output
         self._lifetimes = RequestLifetimes()
         self._shadow = NgramShadow.for_vllm(self.vllm_config)  # None unless the drafter is method: ngram
+        self._overhead_s = 0.0  # seconds in this class's own code since the last step record
 
     def _start_policy(self, vllm_table: list) -> SpecPolicy:
         """The configured start policy (START_POLICY_ENV), in the form vLLM's table would give it
@@ -133,8 +134,11 @@ class AdaspecMixin:
                 self.dynamic_sd_lookup = [c.depth for c in self._slot.table]
             return ack.model_dump_json()
         if command == "drain":
+            start = self._clock()
             running, waiting = self.get_request_counts()
-            return self._slot.drain(waiting=waiting, running=running).model_dump_json()
+            reply = self._slot.drain(waiting=waiting, running=running).model_dump_json()
+            self._overhead_s += self._clock() - start
+            return reply
         if command == "capabilities":
             return self._slot.capabilities.model_dump_json()
         raise ValueError(f"unknown adaspec scheduler command {command!r}")
@@ -143,10 +147,18 @@ class AdaspecMixin:
     def schedule(self, *args, **kwargs):
         start = self._clock()
         output = super().schedule(*args, **kwargs)
+        hook_start = self._clock()
+        try:
+            self._record_schedule(start, output)
+        finally:
+            self._overhead_s += self._clock() - hook_start
+        return output
+
+    def _record_schedule(self, start: float, output) -> None:
         num_scheduled = output.num_scheduled_tokens  # req_id -> tokens this step
         batch = len(num_scheduled)
         if batch == 0:
-            return output
+            return
         spec_tokens = output.scheduled_spec_decode_tokens  # req_id -> draft token ids (-1: placeholder)
         decode = prefill = context = 0
         for req_id, n_tokens in num_scheduled.items():
@@ -170,9 +182,16 @@ class AdaspecMixin:
         self._prev_k = output.num_spec_tokens_to_schedule
         self._pending[id(output)] = (start, record, output)
         self._lifetimes.step(num_scheduled, batch, record.config)
-        return output
 
     def _free_request(self, request, *args, **kwargs):
+        hook_start = self._clock()
+        try:
+            self._record_finished(request)
+        finally:
+            self._overhead_s += self._clock() - hook_start
+        return super()._free_request(request, *args, **kwargs)
+
+    def _record_finished(self, request) -> None:
         aborted = request.status == RequestStatus.FINISHED_ABORTED
         if self._shadow is not None:
             self._shadow.finish(request.request_id, None if aborted else request.all_token_ids)
@@ -183,7 +202,6 @@ class AdaspecMixin:
                                             request.num_prompt_tokens, request.num_output_tokens)
             if record is not None:
                 self._slot.record_request(record)
-        return super()._free_request(request, *args, **kwargs)
 
     def make_stats(self, spec_decoding_stats=None, *args, **kwargs):
         # update_from_output calls this once, at its end, with the SpecDecodingStats of the
@@ -194,6 +212,7 @@ class AdaspecMixin:
     def update_from_output(self, scheduler_output, model_runner_output):
         self._step_spec_stats = None
         outputs = super().update_from_output(scheduler_output, model_runner_output)
+        hook_start = self._clock()
         if self._shadow is not None:
             # The requests that finished in this step were settled in _free_request.
             self._shadow.observe_step(scheduler_output.num_scheduled_tokens, self.requests)
@@ -216,7 +235,13 @@ class AdaspecMixin:
                 record.shadow_accepted_per_pos = shadow.accepted_per_pos
             if self._pending:
                 self._take_rejected_from_next(scheduler_output, model_runner_output)
+            # Everything this class added since the last record (this update's share read
+            # here; what is left of it counts in the next record).
+            record.overhead_s = self._overhead_s + self._clock() - hook_start
+            self._overhead_s = 0.0
             self._slot.record_step(record)
+        else:
+            self._overhead_s += self._clock() - hook_start
         self._last_update_end = now
         return outputs
 

@@ -124,7 +124,7 @@ def test_async_step_records_equal_sync_step_records():
     for async_scheduling in (False, True):
         eng = engine(async_scheduling, n_requests=3)
         eng.run()
-        records.append([{k: v for k, v in s.items() if k not in ("time", "duration_s")}
+        records.append([{k: v for k, v in s.items() if k not in ("time", "duration_s", "overhead_s")}
                         for s in drain(eng.scheduler)])
     sync, async_ = records
     assert any(s["accepted_per_pos"] != s["drafted_per_pos"] for s in sync)  # some drafts were rejected
@@ -163,3 +163,30 @@ def test_step_durations_never_overlap(async_scheduling):
     assert all(d > 0 for d in durations)
     for previous_end, end, duration in zip(ends, ends[1:], durations[1:]):
         assert end - duration >= previous_end  # [end - duration, end] starts after the step before ended
+
+
+VLLM_WORK = 1000.0  # clock units each of vLLM's own schedule() and update_from_output() calls take here
+
+
+@MODES
+def test_overhead_counts_adaspecs_own_work_and_none_of_vllms(async_scheduling, monkeypatch):
+    """StepRecord.overhead_s is the time spent in adaspec's hooks: vLLM's schedule() and
+    update_from_output() advance the clock by VLLM_WORK units, each reading of adaspec's by one,
+    so a record that counted any of vLLM's work would hold >= VLLM_WORK."""
+    eng = engine(async_scheduling, n_requests=3)
+    scheduler = eng.scheduler
+    scheduler._clock = clock = Clock()
+    base = type(scheduler).__mro__[2]  # vLLM's Scheduler or AsyncScheduler, after AdaspecMixin
+    for name in ("schedule", "update_from_output"):
+        original = getattr(base, name)
+
+        def slow(self, *args, _original=original, **kwargs):
+            clock.now += VLLM_WORK
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(base, name, slow)
+    eng.run()
+    steps = drain(scheduler)
+    assert len(steps) > 3
+    assert all(0 < s["overhead_s"] < 20 for s in steps), [s["overhead_s"] for s in steps]
+    assert all(s["duration_s"] > VLLM_WORK for s in steps)
