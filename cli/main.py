@@ -25,6 +25,8 @@
   sweep --config CONFIG --policies off,chain2,adaptive --rates 0.5,1,inf --dataset sharegpt
         --num-prompts N --out DIR   every policy at every rate on one deployment; results.json,
                               report.md, plots (bench/sweep.py)
+  peer --out DIR [--loads stream,0.5,2,inf --rounds 3]   adaspec against plain vLLM (with and
+                              without static speculation) and Ray Serve LLM, alternated (bench/peer.py)
 
 Every command that prints a table also prints JSON with --json.
 """
@@ -37,8 +39,8 @@ import sys
 
 from adaspec.models import ModelError
 from adaspec.policy import PolicyError
-from cli import (bench, controller, distill_draft, distill_eagle, eval_draft, policy, prepare_models, profile, serve, simulate, status,
-                 sweep)
+from cli import (bench, controller, distill_draft, distill_eagle, eval_draft, peer, policy, prepare_models, profile, serve, simulate,
+                 status, sweep)
 from cli.arguments import UsageError
 from cli.serve_config import ConfigError
 from controller.checkpoint_file import CheckpointError
@@ -48,7 +50,7 @@ from serve_app import admin_client
 # In the order `adaspec --help` lists them; each module adds its parser (`add_parser`) and
 # runs the command (`run(args) -> exit status`).
 COMMANDS = (prepare_models, distill_draft, distill_eagle, eval_draft, serve, status, controller, profile, simulate, policy, bench,
-            sweep)
+            sweep, peer)
 
 
 def build_parser() -> argparse.ArgumentParser:

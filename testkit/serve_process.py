@@ -21,6 +21,8 @@ from pathlib import Path
 import httpx
 import psutil
 
+from serve_app.ray_env import with_ray_env
+
 REPO = Path(__file__).resolve().parents[1]
 # Seconds from `serve run` to the first completion before `wait_ready` gives up: an engine
 # start, its CPU compile included, takes 2-3 minutes on 2 cores, more beside another server.
@@ -83,7 +85,8 @@ class ServeProcess:
 
     def start(self) -> None:
         self._log = open(self.log_path, "w")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env}
+        # Ray's environment as `adaspec serve` (the README's `make serve`) sets it.
+        env = with_ray_env({**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env})
         self.proc = subprocess.Popen(self.command, cwd=REPO, stdout=self._log,
                                      stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                      preexec_fn=_default_sigint)
@@ -101,18 +104,20 @@ class ServeProcess:
         lines = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join(line[:400] for line in lines[-n:] if "Attempted to load weight" not in line)
 
-    def wait_ready(self, model: str, timeout_s: float = READY_TIMEOUT_S) -> float:
-        """Block until a 1-token completion succeeds; return the seconds it took. Every try
-        also asks GET /health and GET /admin/status: `self.startup` keeps what each answered
+    def wait_ready(self, model: str, timeout_s: float = READY_TIMEOUT_S, url: str | None = None) -> float:
+        """Block until a 1-token completion succeeds (at `url`: another app of the same
+        `serve run`; default this server's); return the seconds it took. Every try also asks
+        GET /health and GET /admin/status: `self.startup` keeps what each answered
         (StartupProbe), so tests can check that readiness told the truth while starting."""
+        base = url or self.url
         start = time.monotonic()
         body = {"model": model, "prompt": "Hi", "max_tokens": 1}
         self.startup: list[StartupProbe] = []
         while time.monotonic() - start < timeout_s:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"`serve run` exited with {self.proc.returncode}:\n{self.log_tail()}")
-            health, admin = self._probe("get", "/health"), self._probe("get", "/admin/status")
-            completion = self._probe("post", "/v1/completions", json=body)
+            health, admin = self._probe("get", f"{base}/health"), self._probe("get", f"{base}/admin/status")
+            completion = self._probe("post", f"{base}/v1/completions", json=body)
             self.startup.append(StartupProbe(time.monotonic() - start, health, admin, completion))
             if completion[0] == 200:
                 # Pin this server's Ray session: other Ray instances may start later.
@@ -121,10 +126,10 @@ class ServeProcess:
             time.sleep(3)
         raise TimeoutError(f"server not ready after {timeout_s} s:\n{self.log_tail()}")
 
-    def _probe(self, method: str, path: str, **kwargs) -> tuple[int | None, str | None]:
+    def _probe(self, method: str, url: str, **kwargs) -> tuple[int | None, str | None]:
         """(HTTP status or None when nothing answered, its Retry-After header)."""
         try:
-            resp = httpx.request(method, f"{self.url}{path}", timeout=10, **kwargs)
+            resp = httpx.request(method, url, timeout=10, **kwargs)
         except httpx.HTTPError:
             return None, None
         return resp.status_code, resp.headers.get("retry-after")

@@ -401,6 +401,9 @@ def test_switching_ceiling_picks_each_segments_best_static_with_hindsight():
     (["bench", "--dataset", "codeedit", "--rate", "1", "--num-prompts", "2", "--temperature", "-1"], "--temperature"),
     (["bench", "--dataset", "mixed", "--rate", "1", "--num-prompts", "2", "--top-p", "0"], "--top-p"),
     (["sweep", "--out", "x", "--greedy-share", "1.5"], "--greedy-share"),
+    (["peer", "--out", "x", "--loads", "stream,fast"], "--loads"),
+    (["peer", "--out", "x", "--peers", "vllm,sglang"], "--peers"),
+    (["peer", "--out", "x", "--rounds", "0"], "--rounds"),
 ])
 def test_cli_errors_name_the_flag(argv, flag, capsys):
     assert cli_main(argv) == 2

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from bench.client import SAMPLED, realistic_mix
-from bench.compare import RatioInterval, bootstrap_ratio, mean, p99
+from bench.compare import RatioInterval, bootstrap_paired_ratio, bootstrap_ratio, mean, p99
 
 
 def rounds(center: float, n_rounds: int, n: int, seed: int, spread: float = 0.1) -> list[list[float]]:
@@ -40,6 +40,22 @@ def test_rounds_that_disagree_widen_the_interval():
     wide = bootstrap_ratio(drifting, steady, mean, resamples=300)
     assert (wide.high - wide.low) > 5 * (narrow.high - narrow.low)
     assert wide.verdict() == "inconclusive"
+
+
+def test_pairing_cancels_what_the_requests_of_a_round_share():
+    """Each round sends other prompts (here: rounds 30% apart, requests spread 5x within a
+    round); both variants serve the same ones, b 10% slower on every request. Paired, the
+    interval is tight around 1/1.1; unpaired, the prompts' differences swamp it."""
+    rng = np.random.default_rng(5)
+    a = [list(level * rng.uniform(0.2, 1.0, size=20)) for level in (0.7, 1.0, 1.3)]
+    noise = [rng.normal(1.0, 0.01, size=20) for _ in a]
+    b = [list(np.array(r) * 1.1 * e) for r, e in zip(a, noise)]
+    paired = bootstrap_paired_ratio(a, b, mean, resamples=300)
+    unpaired = bootstrap_ratio(a, b, mean, resamples=300)
+    assert paired.low < 1 / 1.1 < paired.high < 0.93 and paired.verdict() == "better"
+    assert unpaired.verdict() == "inconclusive" and (unpaired.high - unpaired.low) > 10 * (paired.high - paired.low)
+    with pytest.raises(ValueError, match="same number of requests"):
+        bootstrap_paired_ratio(a, [r[:-1] for r in b], mean)
 
 
 def test_p99_and_empty_rounds():

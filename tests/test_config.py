@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -162,6 +164,24 @@ def test_bad_model_name_fails_naming_the_field(tmp_path):
     res = subprocess.run([str(Path(sys.executable).parent / "adaspec"), "serve", str(bad)],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "args.model" in res.stderr
+
+
+@pytest.mark.parametrize("preset, expected", [(None, "0"), ("5", "5")], ids=["default", "user-set"])
+def test_adaspec_serve_starts_ray_with_its_workers_at_normal_priority(monkeypatch, preset, expected):
+    """`adaspec serve` hands `serve run` RAY_worker_niceness=0 (Ray's default 15 puts the engine
+    behind everything else on the node), unless the user set it."""
+    from cli import serve
+
+    if preset is None:
+        monkeypatch.delenv("RAY_worker_niceness", raising=False)
+    else:
+        monkeypatch.setenv("RAY_worker_niceness", preset)
+    calls = []
+    monkeypatch.setattr(os, "execve", lambda path, argv, env: calls.append((argv, env)))
+    config = str(REPO / "configs" / "app.yaml")
+    serve.run(argparse.Namespace(config=config))
+    ((argv, env),) = calls
+    assert argv[1:] == ["run", config] and env["RAY_worker_niceness"] == expected
 
 
 def test_serve_config_typo_fails_before_deploying(tmp_path):

@@ -15,6 +15,7 @@ from ray.serve.schema import ServeDeploySchema
 from cli.serve_config import check_serve_config
 from serve_app.builder import _placement
 from serve_app.config import AppConfig
+from serve_app.ray_env import RAY_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -151,6 +152,18 @@ def test_controller_checkpoint_is_on_the_head_volume(path):
     (volume,) = [v for v in head["volumes"] if v["name"] == mount["name"]]
     claims = {d["metadata"]["name"] for d in docs if d["kind"] == "PersistentVolumeClaim"}
     assert volume["persistentVolumeClaim"]["claimName"] in claims
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=[p.name for p in MANIFESTS])
+def test_every_pod_starts_ray_with_its_workers_at_normal_priority(path):
+    """The engine runs in Ray's worker processes, which Ray starts at niceness 15 unless
+    RAY_worker_niceness says otherwise in the environment of `ray start` (serve_app/ray_env.py)."""
+    cluster = _rayservice(path)["spec"]["rayClusterConfig"]
+    groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    for group in groups:
+        for container in group["template"]["spec"]["containers"]:
+            env = {e["name"]: e.get("value") for e in container.get("env", [])}
+            assert {k: env.get(k) for k in RAY_ENV} == RAY_ENV, (path.name, container["name"])
 
 
 def _pod_ray_resources(group: dict) -> dict[str, float]:
