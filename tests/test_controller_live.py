@@ -130,7 +130,7 @@ def test_controller_speculates_for_one_stream_and_tries_a_second_config_under_a_
     - One stream of LOOPING, whose greedy continuation prompt lookup predicts almost every
       time, starting from `off` everywhere: it must move to speculation, which pays on any
       machine there (chain4 3.8-4.1x the tokens/s of `off` on a Zen 4 machine:
-      docs/benchmarks.md, "The one-stream prompt of the live test"). (With PROMPT at batch 1
+      docs/benchmarks.md, "Speculation by load"). (With PROMPT at batch 1
       it is a close call whose answer depends on the machine: the pooled acceptance at the
       first position was 0.17 at the end of one run of this test.)
     - A 24-stream burst of PROMPT: it must try a second config there (its recurring trials:
