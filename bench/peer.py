@@ -54,6 +54,7 @@ from bench.policies import NamedPolicy, apply_policy, interleaved, resolve
 from prepare.datasets import load_prompts
 from prepare.models import resolve_model, tokenizer_folder
 from serve_app import admin_client
+from serve_app.ray_env import with_ray_env
 from testkit.serve_process import ServeProcess
 
 PEER_GOAL = 0.98  # adaspec held at a policy against plain vLLM with the same speculation
@@ -265,8 +266,9 @@ class PeerBenchmark:
             urls = {n: SERVE_URL for n in self.names if n.startswith("adaspec")}
             if "ray-serve-llm" in self.names:
                 urls["ray-serve-llm"] = SERVE_URL + RAY_LLM_PREFIX
-            servers.append((ServeProcess(config.resolve(), SERVE_URL, tmp / "serve.log",
-                                         env={"ADASPEC_CONTROLLER_DIR": str(tmp / "controller")}), urls))
+            # Ray started as `adaspec serve` starts it (its workers at niceness 0).
+            env = with_ray_env({"ADASPEC_CONTROLLER_DIR": str(tmp / "controller")})
+            servers.append((ServeProcess(config.resolve(), SERVE_URL, tmp / "serve.log", env=env), urls))
         started = []
         # One at a time: two engines compiling at once on 2 cores take longer than in turn.
         for server, urls in servers:

@@ -28,7 +28,6 @@ from pathlib import Path
 
 import psutil
 
-from serve_app.ray_env import with_ray_env
 from testkit.serve_process import session_processes
 
 AUTH_MODE = "token"
@@ -66,7 +65,7 @@ class LoopbackCluster:
         return {"RAY_ADDRESS": self.address, "RAY_AUTH_MODE": AUTH_MODE, "RAY_USAGE_STATS_ENABLED": "0"}
 
     def _env(self, head: bool = False) -> dict[str, str]:
-        env = with_ray_env({**os.environ, **self.node_env, **self.join_env()})  # as cluster/README.md starts nodes
+        env = {**os.environ, **self.node_env, **self.join_env()}
         if head:  # the head starts the cluster; it joins none
             env.pop("RAY_ADDRESS")
         return env

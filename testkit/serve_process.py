@@ -21,8 +21,6 @@ from pathlib import Path
 import httpx
 import psutil
 
-from serve_app.ray_env import with_ray_env
-
 REPO = Path(__file__).resolve().parents[1]
 # Seconds from `serve run` to the first completion before `wait_ready` gives up: an engine
 # start, its CPU compile included, takes 2-3 minutes on 2 cores, more beside another server.
@@ -85,8 +83,7 @@ class ServeProcess:
 
     def start(self) -> None:
         self._log = open(self.log_path, "w")
-        # Ray's environment as `adaspec serve` (the README's `make serve`) sets it.
-        env = with_ray_env({**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env})
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.extra_env}
         self.proc = subprocess.Popen(self.command, cwd=REPO, stdout=self._log,
                                      stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                      preexec_fn=_default_sigint)

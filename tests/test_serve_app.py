@@ -13,7 +13,6 @@ import openai
 import pytest
 
 from testkit.clients import MODEL, URL, complete, replica_status
-from testkit.serve_process import session_processes
 from testkit.waits import wait_until
 
 pytestmark = pytest.mark.slow
@@ -95,16 +94,6 @@ def test_readiness_told_the_truth_while_the_server_started(server):
     assert len(ready_lines) == 1, ready_lines
     print(f"\n[readiness] {len(probes)} probes over {server.ready_s:.0f} s; /health answered "
           f"{collections.Counter(s for s, _ in health)}; admin {collections.Counter(p.admin[0] for p in probes)}")
-
-
-def test_the_engine_runs_at_the_nodes_normal_priority(server):
-    """Ray started as `adaspec serve` starts it (serve_app/ray_env.py): its workers, the
-    replica's vLLM engine processes among them, at niceness 0, not Ray's default 15."""
-    procs = session_processes(server.proc.pid)
-    engine = [p for p in procs if p.name().startswith("VLLM::")]
-    replicas = [p for p in procs if "ServeReplica" in " ".join(p.cmdline())]
-    assert engine and replicas, [p.name() for p in procs]
-    assert {p.nice() for p in engine + replicas} == {0}
 
 
 def test_official_openai_client(server):
