@@ -47,7 +47,7 @@ from pydantic import BaseModel, Field
 
 from bench import machine
 from bench.client import RequestMix, RequestResult, arrival_times, run_load
-from bench.compare import bootstrap_paired_ratio, mean, p99
+from bench.compare import RatioInterval, bootstrap_paired_ratio, mean, p99
 from bench.harness import reply_token_caps
 from bench.metrics import tpot_s
 from bench.policies import NamedPolicy, apply_policy, interleaved, resolve
@@ -409,11 +409,12 @@ def throughput(cells: list[dict], load: str, peer: str) -> float | None:
     return sum(c["output_tokens"] for c in picked) / wall if wall else None
 
 
-def _interval(a: list[list[float]], b: list[list[float]], statistic) -> dict | None:
-    if not any(a):
-        return None
-    r = bootstrap_paired_ratio(a, b, statistic)
-    return {"ratio": r.ratio, "low": r.low, "high": r.high}
+def _interval(a: list[list[float]], b: list[list[float]], statistic) -> RatioInterval | None:
+    return bootstrap_paired_ratio(a, b, statistic) if any(a) else None
+
+
+def _as_dict(r: RatioInterval | None) -> dict | None:
+    return None if r is None else {"ratio": r.ratio, "low": r.low, "high": r.high}
 
 
 def verdicts(doc: dict) -> list[dict]:
@@ -421,12 +422,12 @@ def verdicts(doc: dict) -> list[dict]:
     normalized latency (the goal's metric; runs before it was recorded: mean TPOT), mean and
     p99 TPOT, each with its paired interval."""
     cells, names, k = doc["cells"], doc["peers"], doc["settings"]["k"]
-    goals = [(f"adaspec:off", "vllm", PEER_GOAL), (f"adaspec:chain{k}", f"vllm-ngram{k}", PEER_GOAL),
+    goals = [("adaspec:off", "vllm", PEER_GOAL), (f"adaspec:chain{k}", f"vllm-ngram{k}", PEER_GOAL),
              ("adaspec:off", "ray-serve-llm", PEER_GOAL)]
     out = []
     for load in doc["settings"]["loads"]:
         pairs = [(peer, ref, goal) for peer, ref, goal in goals if peer in names and ref in names]
-        plain = [n for n in (f"vllm", f"vllm-ngram{k}") if n in names and rounds_of(cells, load, n)]
+        plain = [n for n in ("vllm", f"vllm-ngram{k}") if n in names and rounds_of(cells, load, n)]
         if "adaspec:adaptive" in names and plain:
             best = min(plain, key=lambda n: mean([t for r in rounds_of(cells, load, n) for t in r] or [math.inf]))
             pairs.append(("adaspec:adaptive", best, ADAPTIVE_GOAL))
@@ -436,11 +437,10 @@ def verdicts(doc: dict) -> list[dict]:
             if mean_tpot is None:
                 continue
             norm = _interval(*paired_rounds(cells, load, ref, peer, "norm_latency_s"), mean)
-            judged = norm or mean_tpot
-            verdict = "met" if judged["low"] >= goal else "missed" if judged["high"] < goal else "inconclusive"
             out.append({"load": load, "peer": peer, "reference": ref, "goal": goal,
-                        "metric": "norm_latency" if norm else "mean_tpot", "norm_latency": norm,
-                        "mean_tpot": mean_tpot, "p99_tpot": _interval(*tpot, p99), "verdict": verdict})
+                        "metric": "norm_latency" if norm else "mean_tpot", "norm_latency": _as_dict(norm),
+                        "mean_tpot": _as_dict(mean_tpot), "p99_tpot": _as_dict(_interval(*tpot, p99)),
+                        "verdict": (norm or mean_tpot).meets(goal)})
     return out
 
 
@@ -461,7 +461,7 @@ def write_report(out: Path) -> str:
              f"T=0.7), at most {doc['settings']['max_tokens']} tokens, stopping at EOS. Every peer up side by side, "
              "alternated cell by cell (results.json: every cell, its per-request TPOT and TTFT, and the CPU "
              "seconds of each process kind).", "", f"Niceness of the serving processes: {nice or 'not recorded'}.", "",
-             *[f"Note: {note}" for note in doc.get("notes", [])], "",
+             *[f"Note: {note}" for note in doc.get("notes", [])], *([""] if doc.get("notes") else []),
              "![peer](peer.png)", "",
              "Mean TPOT ms (p99) / TTFT ms mean / output tok/s / round spread (max/min round mean):", "",
              "| peer | " + " | ".join(loads) + " |", "|---|" + "---|" * len(loads)]

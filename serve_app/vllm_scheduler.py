@@ -43,6 +43,7 @@ record carries the settled counts (StepRecord.shadow_*).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -134,24 +135,28 @@ class AdaspecMixin:
                 self.dynamic_sd_lookup = [c.depth for c in self._slot.table]
             return ack.model_dump_json()
         if command == "drain":
-            start = self._clock()
-            running, waiting = self.get_request_counts()
-            reply = self._slot.drain(waiting=waiting, running=running).model_dump_json()
-            self._overhead_s += self._clock() - start
-            return reply
+            with self._own_work():
+                running, waiting = self.get_request_counts()
+                return self._slot.drain(waiting=waiting, running=running).model_dump_json()
         if command == "capabilities":
             return self._slot.capabilities.model_dump_json()
         raise ValueError(f"unknown adaspec scheduler command {command!r}")
 
     # ------------------------------------------------------------------ step recording
+    @contextlib.contextmanager
+    def _own_work(self):
+        """Counts the time inside in StepRecord.overhead_s (of the next record)."""
+        start = self._clock()
+        try:
+            yield
+        finally:
+            self._overhead_s += self._clock() - start
+
     def schedule(self, *args, **kwargs):
         start = self._clock()
         output = super().schedule(*args, **kwargs)
-        hook_start = self._clock()
-        try:
+        with self._own_work():
             self._record_schedule(start, output)
-        finally:
-            self._overhead_s += self._clock() - hook_start
         return output
 
     def _record_schedule(self, start: float, output) -> None:
@@ -184,11 +189,8 @@ class AdaspecMixin:
         self._lifetimes.step(num_scheduled, batch, record.config)
 
     def _free_request(self, request, *args, **kwargs):
-        hook_start = self._clock()
-        try:
+        with self._own_work():
             self._record_finished(request)
-        finally:
-            self._overhead_s += self._clock() - hook_start
         return super()._free_request(request, *args, **kwargs)
 
     def _record_finished(self, request) -> None:
