@@ -12,10 +12,15 @@ Terms (Leviathan et al. 2023; Sequoia, Chen et al. 2024; docs/papers.md sections
   E = 1 + sum over nodes v of P(v). For a chain: E = 1 + sum_i prod_{j <= i} p_j, which for
   i.i.d. acceptance alpha is the closed form (1 - alpha^(k+1)) / (1 - alpha).
 
-The model keeps exponentially decayed counts (half-life in seconds), so a change of workload
-shows within a few half-lives. Decay stops at `min_evidence` first-position candidates: when
-no new evidence arrives, the model keeps its last beliefs instead of sliding back to the prior
-(the controller probes explicitly, see controller.core).
+The model keeps exponentially decayed counts (half-life in seconds). Decay stops at
+`min_evidence` first-position candidates: when no new evidence arrives, the model keeps its
+last beliefs instead of sliding back to the prior (the controller probes explicitly, see
+controller.core). Decay alone would take several half-lives to show a change of workload (8
+streams of text drafted badly leave a thousand candidates behind that one stream of a looping
+prompt outweighs only after a minute), so each report is also tested against the counts: where
+its first-position rate differs from theirs by at least `change_gap` and by `change_z` standard
+errors (a two-proportion z-test), the requests that run now are not those the counts came from,
+and the counts restart from this report.
 
 Shadow acceptance (StepRecord.shadow_*: an n-gram drafter's drafts replayed on the produced
 tokens for every k up to max_k, serve_app/ngram_shadow.py) feeds the same counts, at the
@@ -48,6 +53,9 @@ class AcceptanceModel:
     prior_rate: float = 0.3  # conditional rate assumed where nothing was measured
     prior_weight: float = 2.0  # the prior counts as this many observed candidates
     min_evidence: float = 8.0  # decay stops when this few first-position candidates remain
+    change_gap: float = 0.15  # a report's first-position rate this far from the counts' ...
+    change_z: float = 4.0  # ... and this many standard errors from it: the workload changed
+    changes: int = 0  # reports that restarted the counts
     reached: np.ndarray = field(default_factory=lambda: np.zeros((MAX_DEPTH, MAX_RANK)))
     accepted: np.ndarray = field(default_factory=lambda: np.zeros((MAX_DEPTH, MAX_RANK)))
     last_time: float | None = None  # unix seconds the counts are decayed to
@@ -70,14 +78,29 @@ class AcceptanceModel:
             return
         now = max(now or 0.0, max(s.time for s in steps))
         self.decay_to(now)
-        for s in steps:
-            if s.config.per_request:  # its nodes were kept for looking likely: rates would flatter the drafter
-                continue
+        # Per-request budgets' nodes were kept for looking likely: their rates would flatter the drafter.
+        counted = [(s, *step_counts(s)) for s in steps if not s.config.per_request]
+        first = [(r[0, 0], a[0, 0]) for _, r, a in counted if r.size]
+        if first and self.workload_changed(sum(r for r, _ in first), sum(a for _, a in first)):
+            self.reached[:] = 0.0
+            self.accepted[:] = 0.0
+            self.changes += 1
+        for s, reached, accepted in counted:
             w = 0.5 ** ((now - s.time) / self.half_life_s)
-            reached, accepted = step_counts(s)
             d, r = reached.shape
             self.reached[:d, :r] += w * reached
             self.accepted[:d, :r] += w * accepted
+
+    def workload_changed(self, reached: float, accepted: float) -> bool:
+        """Whether `accepted` of `reached` first-position candidates (one report's) cannot come
+        from the rate the counts measured: the gap is material and statistically clear."""
+        known, known_accepted = float(self.reached[0, 0]), float(self.accepted[0, 0])
+        if reached < self.min_evidence or known < self.min_evidence:
+            return False
+        rate, known_rate = accepted / reached, known_accepted / known
+        pooled = (accepted + known_accepted) / (reached + known)
+        se = math.sqrt(max(pooled * (1.0 - pooled), 1e-12) * (1.0 / reached + 1.0 / known))
+        return abs(rate - known_rate) >= self.change_gap and abs(rate - known_rate) >= self.change_z * se
 
     def conditional_rates(self) -> np.ndarray:
         """p[d][r] (depth index 0 = first draft token), shrunk towards the prior."""

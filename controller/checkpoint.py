@@ -24,12 +24,12 @@ import functools
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, PlainSerializer, PlainValidator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainSerializer, PlainValidator, model_validator
 
 from adaspec.policy import SpecConfig, SpecPolicy
 from adaspec.telemetry import EngineCapabilities, RequestRecord, StepRecord
 from controller.acceptance import MAX_DEPTH, MAX_RANK, AcceptanceModel
-from controller.step_time import FEATURES, XGB_PARAMS, FitReport, StepTimeModel
+from controller.step_time import FEATURES, XGB_PARAMS, FitReport, StepTimeModel, StepTimeScale
 
 FORMAT_VERSION = 1
 
@@ -164,6 +164,8 @@ class ReplicaState(BaseModel):
     latency_count: float  # decayed number of those requests
     recent_steps: list[StepRecord]  # the last steps, to compare predicted and measured step time
     last_probe: float  # unix seconds of the last chain1 probe
+    # Its steps against the deployment's model; absent in checkpoints written before it was kept.
+    step_scale: StepTimeScale = Field(default_factory=StepTimeScale)
 
 
 class DeploymentState(BaseModel):

@@ -27,7 +27,7 @@ from controller.policy_search import (
 )
 from controller.safety import prefer_budgets, safe_config
 from controller.state import Deployment, Replica
-from controller.step_time import FitReport, StepTimeModel
+from controller.step_time import FitReport, StepTimeModel, step_features
 from controller.view import ControllerView, DroppedReplica, deployment_view, replica_view
 
 # A report this many periods overdue makes the controller ask Ray whether the replica died:
@@ -92,6 +92,11 @@ class ControllerCore:
             rep = self.replicas[tel.replica_id] = Replica.first_report(
                 tel, tel.info, now, dep.acceptance.copy(self.config.half_life_s))
         dt = rep.observe(tel, now)
+        # Before the deployment's model learns these steps: the scale's error stays out of sample.
+        decode = [s for s in tel.steps if s.num_decode_reqs and not s.prefill_tokens and s.duration_s > 0]
+        if decode:
+            rep.step_scale.update(np.array([s.duration_s for s in decode]),
+                                  dep.step_model.predict([step_features(s) for s in decode]), now)
         dep.observe(tel, rep.capabilities, dt, now)
 
     def _profile_for(self, model_id: str, caps: EngineCapabilities | None) -> str | None:
@@ -133,9 +138,10 @@ class ControllerCore:
         return dep.costs
 
     def _models_for(self, rep: Replica, now: float) -> tuple[CostTable, np.ndarray]:
-        """The replica's deployment's cost table, and E(c) per config of it: tokens a
-        sequence gains per step on this replica."""
-        costs = self._costs(self.deployments[rep.model_id], rep, now)
+        """The replica's deployment's cost table, scaled to how fast its steps run now
+        (StepTimeScale), and E(c) per config of it: tokens a sequence gains per step on this
+        replica."""
+        costs = self._costs(self.deployments[rep.model_id], rep, now).scaled(rep.step_scale.factor)
         marginal = rep.acceptance.marginal_rates()
         return costs, np.array([expected_accepted_length(c, marginal) for c in costs.configs])
 
@@ -230,7 +236,8 @@ class ControllerCore:
         - `off`, every `safety_recheck_s` while the bucket speculates and `off` has no recent
           measurement there: the safety rule compares against it;
         - chain1 every `probe_every_s` while the bucket is off: with no drafts the
-          acceptance model learns nothing, and the workload may have changed."""
+          acceptance model learns nothing, and the workload may have changed. Not while the
+          replica's steps carry shadow counts (prompt lookup): they measure every chain."""
         caps = rep.capabilities
         auto = SpecConfig.budget()
         if caps.supports_budgets and chosen != auto and dep.seen.get((lo, auto), 0) < EXPLORE_STEPS:
@@ -252,7 +259,8 @@ class ControllerCore:
         if (not chosen.is_off and now - rep.last_off_check >= self.config.safety_recheck_s
                 and not rep.measured.measured_recently(lo, SpecConfig.off(), rep.last_seen)):
             return SpecConfig.off()
-        if chosen.is_off and caps.max_k >= 1 and now - rep.last_probe >= self.config.probe_every_s:
+        if (chosen.is_off and caps.max_k >= 1 and now - rep.last_probe >= self.config.probe_every_s
+                and now - rep.last_shadow >= self.config.probe_every_s):
             return SpecConfig.chain(1)
         return None
 

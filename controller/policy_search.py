@@ -169,6 +169,10 @@ class CostTable:
         predicted = monotone_table(predicted[:, :-1])
         return cls(configs, np.vstack([predicted[:1], predicted]))
 
+    def scaled(self, factor: float) -> CostTable:
+        """Every step time times `factor` (a replica's StepTimeScale); itself at 1."""
+        return self if factor == 1.0 else CostTable(self.configs, self.step_s * factor)
+
     @property
     def max_batch(self) -> int:
         return self.step_s.shape[0] - 1

@@ -13,6 +13,7 @@ that reports late weighs what it says by the time that passed.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -34,7 +35,7 @@ from controller.checkpoint import (
 from controller.latency import LatencyFit, fit_request_latency
 from controller.policy_search import CostTable, Decision, bucket_of
 from controller.safety import ExplorationBudget, MeasuredSpeed
-from controller.step_time import StepTimeModel, measured_context_per_seq
+from controller.step_time import StepTimeModel, StepTimeScale, measured_context_per_seq
 
 LOAD_HALF_LIFE_S = 5.0  # memory of the load estimates (arrival rate, batch, lengths)
 VIEW_STEPS = 64  # steps kept per replica to compare predicted and measured step time
@@ -70,6 +71,7 @@ class Replica:
     recent_steps: list[StepRecord] = field(default_factory=list)
     decision: Decision | None = None
     last_probe: float = -1e18
+    last_shadow: float = -1e18  # unix seconds of the last report with shadow acceptance counts
     last_off_check: float = -1e18  # unix seconds `off` was last run as a trial for the safety rule
     last_static_check: float = -1e18  # unix seconds the models' static choice was last run as a trial against `auto`
     # Guard rails (controller.safety); short-lived measurements, not checkpointed.
@@ -81,6 +83,7 @@ class Replica:
     # under its version (while the controller is paused, a policy set by hand runs instead).
     trial_version: int | None = None
     safety_overrides: int = 0  # decisions where measured speed overruled the models
+    step_scale: StepTimeScale = field(default_factory=StepTimeScale)  # its steps against the deployment's model
 
     @classmethod
     def first_report(cls, tel: ReplicaTelemetry, info: ReplicaInfo, now: float,
@@ -109,7 +112,13 @@ class Replica:
             self.capabilities, self.node_id, self.node_ip, self.actor_id = (
                 info.capabilities, info.node_id, info.node_ip, info.actor_id)
         steps = tel.steps
+        changes = self.acceptance.changes
         self.acceptance.update(steps, now)
+        if self.acceptance.changes > changes:
+            # Speeds measured on the requests that ran before say nothing of the new ones'.
+            self.measured = MeasuredSpeed()
+        if any(s.shadow_seqs for s in steps):
+            self.last_shadow = now
         self.measured.add(steps, self.capabilities.max_batch_size, now)
         trial_steps = sum(s.policy_version == self.trial_version for s in steps) if self.exploring else 0
         self.budget.add(len(steps), trial_steps, now)
@@ -134,7 +143,8 @@ class Replica:
             policy_in_force=self.policy_in_force,
             last_seen=self.last_seen, acceptance=AcceptanceState.of(self.acceptance), rate=self.rate,
             batch=self.batch, generated=self.generated, finished=self.finished, latency_sum=self.latency_sum,
-            latency_count=self.latency_count, recent_steps=self.recent_steps, last_probe=self.last_probe)
+            latency_count=self.latency_count, recent_steps=self.recent_steps, last_probe=self.last_probe,
+            step_scale=dataclasses.replace(self.step_scale))
 
     @classmethod
     def restore(cls, state: ReplicaState, half_life_s: float) -> Replica:
@@ -146,7 +156,8 @@ class Replica:
             acceptance=state.acceptance.model(half_life_s), policy_in_force=state.policy_in_force,
             last_seen=state.last_seen, rate=state.rate, batch=state.batch, generated=state.generated,
             finished=state.finished, latency_sum=state.latency_sum, latency_count=state.latency_count,
-            recent_steps=list(state.recent_steps), last_probe=state.last_probe)
+            recent_steps=list(state.recent_steps), last_probe=state.last_probe,
+            step_scale=dataclasses.replace(state.step_scale))
 
 
 @dataclass

@@ -166,3 +166,52 @@ def monotone_table(step_s: np.ndarray) -> np.ndarray:
     """Running maximum along the batch axis (axis 0): a step never gets faster with more
     sequences. Rows are batch sizes, columns configs."""
     return np.maximum.accumulate(step_s, axis=0)
+
+
+@dataclass
+class StepTimeScale:
+    """One replica's steps against its deployment's model: a decayed mean of
+    log(measured / predicted) over its decode steps (half-life `half_life_s`, short: a machine
+    turns busy at once), whose exp scales every step time the controller prices for that
+    replica. The model is fitted over the deployment's whole history (a shipped profile
+    included), so it cannot see that the replica's machine is busy now (other processes on
+    its cores, a neighbour's burst); the scale follows that within seconds, uniformly over
+    batch sizes and configs.
+
+    Each report's steps are predicted with the scale from before the report, then update it:
+    `error` is the decayed mean relative error of those predictions (out of sample; half-life
+    `error_half_life_s`), and `unscaled_error` the same for the model alone."""
+
+    half_life_s: float = 2.0
+    error_half_life_s: float = 10.0
+    log_ratio: float = 0.0  # decayed sum of log(measured / predicted)
+    weight: float = 0.0  # decayed number of steps in it
+    error_sum: float = 0.0
+    unscaled_error_sum: float = 0.0
+    error_weight: float = 0.0
+    updated_at: float | None = None
+
+    @property
+    def factor(self) -> float:
+        return float(np.exp(self.log_ratio / self.weight)) if self.weight > 0 else 1.0
+
+    @property
+    def error(self) -> float | None:
+        return self.error_sum / self.error_weight if self.error_weight > 0 else None
+
+    @property
+    def unscaled_error(self) -> float | None:
+        return self.unscaled_error_sum / self.error_weight if self.error_weight > 0 else None
+
+    def update(self, measured: np.ndarray, predicted: np.ndarray, now: float) -> None:
+        """Take one report's decode steps: measured and (unscaled) predicted seconds."""
+        if not len(measured):
+            return
+        dt = 0.0 if self.updated_at is None else max(now - self.updated_at, 0.0)
+        keep, keep_error = 0.5 ** (dt / self.half_life_s), 0.5 ** (dt / self.error_half_life_s)
+        self.error_sum = keep_error * self.error_sum + float(np.sum(np.abs(predicted * self.factor - measured) / measured))
+        self.unscaled_error_sum = keep_error * self.unscaled_error_sum + float(np.sum(np.abs(predicted - measured) / measured))
+        self.error_weight = keep_error * self.error_weight + len(measured)
+        self.log_ratio = keep * self.log_ratio + float(np.sum(np.log(measured / predicted)))
+        self.weight = keep * self.weight + len(measured)
+        self.updated_at = now

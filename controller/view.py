@@ -58,12 +58,16 @@ class ReplicaView(BaseModel):
     operating_batch: float | None
     predicted_latency_s: float | None
     measured_step_s: float | None  # mean over the last steps
-    predicted_step_s: float | None  # the model's prediction for the same steps
+    predicted_step_s: float | None  # the model's prediction for the same steps, times step_scale
+    step_scale: float = 1.0  # this replica's measured / predicted step time, recent (StepTimeScale)
+    step_error: float | None = None  # relative error of step times predicted before they ran (decayed mean)
+    step_error_unscaled: float | None = None  # the same without step_scale
     measured_latency_s: float | None  # mean request latency, recent requests (decayed)
     latency_fits: list[ConfigLatency]  # per config, from the deployment's measured requests
     exploration_share: float = 0.0  # of its recent steps, the share run under a trial config (decayed)
     exploring: bool = False  # the policy last decided is a trial
     safety_overrides: int = 0  # decisions where measured speed put `off` in place of the models' choice
+    workload_changes: int = 0  # reports whose acceptance restarted its acceptance counts (a new workload)
 
 
 class DeploymentView(BaseModel):
@@ -137,7 +141,8 @@ def replica_view(replica_id: str, rep: Replica, dep: Deployment, fits: dict[Spec
     measured = predicted = None
     if rep.recent_steps:
         measured = float(np.mean([s.duration_s for s in rep.recent_steps]))
-        predicted = float(np.mean(dep.step_model.predict([step_features(s) for s in rep.recent_steps])))
+        predicted = rep.step_scale.factor * float(np.mean(dep.step_model.predict(
+            [step_features(s) for s in rep.recent_steps])))
     d = rep.decision
     rates = rep.acceptance.conditional_rates()[: rep.capabilities.max_k, 0]
     # What the controller priced for this deployment (trees follow its measured acceptance).
@@ -156,7 +161,9 @@ def replica_view(replica_id: str, rep: Replica, dep: Deployment, fits: dict[Spec
         chosen_policy=str(d.policy) if d else None, decision_ms=1000 * d.elapsed_s if d else None,
         operating_batch=d.operating_batch if d else None,
         predicted_latency_s=d.predicted_latency_s if d else None,
-        measured_step_s=measured, predicted_step_s=predicted,
+        measured_step_s=measured, predicted_step_s=predicted, step_scale=round(rep.step_scale.factor, 4),
+        step_error=rep.step_scale.error, step_error_unscaled=rep.step_scale.unscaled_error,
         measured_latency_s=rep.measured_latency_s,
         latency_fits=config_latencies(fits, rep.output_tokens or 128.0, rep.rate or 0.0),
-        exploration_share=round(rep.budget.share, 4), exploring=rep.exploring, safety_overrides=rep.safety_overrides)
+        exploration_share=round(rep.budget.share, 4), exploring=rep.exploring, safety_overrides=rep.safety_overrides,
+        workload_changes=rep.acceptance.changes)

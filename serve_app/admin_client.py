@@ -83,9 +83,11 @@ def format_controller(view: ControllerView | None) -> str:
             f"    in force: {r.policy_in_force}   chosen: {r.chosen_policy or '-'} "
             f"(decision {_fmt(r.decision_ms, unit=' ms')}{'; a trial' if r.exploring else ''})",
             f"    exploration {100 * r.exploration_share:.1f}% of recent steps; safety rule put off in place "
-            f"{r.safety_overrides} times",
+            f"{r.safety_overrides} times; workload changes seen {r.workload_changes}",
             f"    step time measured {_fmt(r.measured_step_s, 1000, ' ms')}, "
-            f"predicted {_fmt(r.predicted_step_s, 1000, ' ms')}; predicted batch "
+            f"predicted {_fmt(r.predicted_step_s, 1000, ' ms')} (x{r.step_scale:.2f} for this replica's "
+            f"load; error before the steps ran {_fmt(r.step_error, 100, '%')}, "
+            f"{_fmt(r.step_error_unscaled, 100, '%')} unscaled); predicted batch "
             f"{_fmt(r.operating_batch)}, latency {_fmt(r.predicted_latency_s, unit=' s')} "
             f"(measured {_fmt(r.measured_latency_s, unit=' s')})",
         ]

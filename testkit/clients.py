@@ -5,6 +5,7 @@ closed-loop clients."""
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 
@@ -86,3 +87,36 @@ class ClosedLoopClients:
         self.stop.set()
         for t in self.threads:
             t.join()
+
+
+def tokens_per_chain_step(steps: list[dict], k: int) -> float:
+    """Mean tokens a sequence gained per decode step run at chain k (accepted drafts + 1)."""
+    ran = [s for s in steps if s["draft_k"] == k and s["num_decode_reqs"] == 1 and not s["prefill_tokens"]]
+    assert len(ran) >= 4, f"only {len(ran)} decode steps at k={k}"
+    return sum(1 + sum(s["accepted_per_pos"]) for s in ran) / len(ran)
+
+
+def acceptance_after_off(client: httpx.Client, prompt: str, k: int = 4, max_tokens: int = 64,
+                         off_tokens: int = 24) -> tuple[float, float]:
+    """Tokens per chain-k step of one greedy `ignore_eos` completion of `prompt` run at chain k
+    throughout, and of the same completion run `off` for its first `off_tokens` streamed chunks
+    (a token each under `off`) and at chain k from then on (pushed while it streams). A drafter whose state (a model's
+    KV cache) is not kept up while `off` runs drafts badly after the switch. Pushes policies:
+    the caller pauses the controller."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    push_policy(client, f"chain{k}")
+    since = time.time()
+    complete(client, prompt, max_tokens=max_tokens, ignore_eos=True)
+    throughout = tokens_per_chain_step(replica_steps(client, since=since), k)
+    push_policy(client, "off")
+    chunks, switched_at = 0, None
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            chunks += line.startswith("data: {")
+            if chunks == off_tokens and switched_at is None:
+                push_policy(client, f"chain{k}")
+                switched_at = time.time()
+    assert switched_at is not None, f"the stream ended after {chunks} chunks"
+    after_off = tokens_per_chain_step(replica_steps(client, since=switched_at), k)
+    return throughout, after_off

@@ -25,6 +25,7 @@ class SimulatedReplica:
 
     def __init__(self, replica_id: str, alpha: float, seed: int = 0):
         self.replica_id, self.alpha = replica_id, alpha
+        self.slowdown = 1.0  # its steps take this many times the synthetic step time (a busy machine)
         self.policy = SpecPolicy.parse("chain2")
         self.rng = np.random.default_rng(seed)
 
@@ -33,7 +34,7 @@ class SimulatedReplica:
         k_prev = self.policy.config_for(batch).depth
         while t < start + seconds:
             cfg = self.policy.config_for(batch)
-            duration = synthetic_step_time(batch, 1 + k_prev, cfg.depth, batch * 300, 0)
+            duration = self.slowdown * synthetic_step_time(batch, 1 + k_prev, cfg.depth, batch * 300, 0)
             t += duration
             drafted = [batch] * k_prev
             accepted, alive = [], batch

@@ -144,14 +144,17 @@ def pytest_unconfigure(config):
     (Ray's, vLLM's and torch's threads are all alive then); not reproduced in shorter runs
     and not root-caused. Every test result and the status are unchanged."""
     status = getattr(config, "adaspec_exit_status", None)
-    if status is not None:
-        # What is alive at this point, for whoever roots the crash out: the Python threads by
-        # name, and how many OS threads the process holds (torch's, Ray's and gRPC's C++ pools).
-        others = sorted(t.name for t in threading.enumerate() if t is not threading.main_thread())
-        print(f"\n[teardown] {len(os.listdir('/proc/self/task'))} OS threads; Python threads besides the main "
-              f"one: {others}", file=sys.stderr)
-        sys.stdout.flush()
-        sys.stderr.flush()
+    if status is None:
+        return
+    # What is alive at this point, for whoever roots the crash out: the Python threads by
+    # name, and how many OS threads the process holds (torch's, Ray's and gRPC's C++ pools).
+    others = sorted(t.name for t in threading.enumerate() if t is not threading.main_thread())
+    print(f"\n[teardown] {len(os.listdir('/proc/self/task'))} OS threads; Python threads besides the main "
+          f"one: {others}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # ADASPEC_INTERPRETER_TEARDOWN=1 lets the interpreter tear down as usual, to reproduce the crash.
+    if os.environ.get("ADASPEC_INTERPRETER_TEARDOWN") != "1":
         os._exit(status)
 
 

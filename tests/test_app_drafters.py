@@ -16,8 +16,9 @@ import httpx
 import pytest
 
 from testkit.apps import app_in_own_cluster
-from testkit.clients import MODEL, push_policy, replica_status, set_controller
+from testkit.clients import MODEL, acceptance_after_off, push_policy, replica_status, set_controller
 from testkit.metrics import counter_sum
+from testkit.prompts import LOOPING
 from testkit.serve_process import ServeProcess
 from testkit.waits import wait_until
 
@@ -128,3 +129,20 @@ def test_k_changes_live_and_greedy_output_is_the_same_at_every_k(app, client):
         set_controller(client, "resume")
     assert ks == {"off": {0}, "chain1": {1}, "chain3": {3}}, ks
     assert texts["chain1"] == texts["off"] and texts["chain3"] == texts["off"], texts
+
+
+def test_acceptance_right_after_off_equals_acceptance_under_chain4_throughout(app, client):
+    """No stale drafter state (issue 51, item 3): a model drafter's first pass writes its KV
+    cache for the tokens just accepted and runs at k = 0 too (docs/configuration.md), so a
+    request that ran `off` for 24 tokens drafts as well from the switch to chain4 on as one
+    that ran chain4 throughout. LOOPING: both drafters predict its greedy continuation, so
+    a drafter with holes in its cache would show."""
+    spec, _ = app
+    set_controller(client, "pause")
+    try:
+        throughout, after_off = acceptance_after_off(client, LOOPING)
+    finally:
+        set_controller(client, "resume")
+    print(f"\n[{spec.method} server] tokens per chain4 step: {throughout:.2f} throughout, {after_off:.2f} after off")
+    assert throughout >= 2.0, throughout  # the drafter predicts the loop: a collapse would show
+    assert after_off >= 0.8 * throughout, (throughout, after_off)

@@ -239,6 +239,32 @@ def test_every_answer_carries_the_predicted_speed_of_the_policy_in_force():
     assert reply.policy is None and reply.speed.policy_version == manual.version
 
 
+def test_a_replica_on_a_busy_machine_is_priced_at_the_speed_it_runs_at():
+    """Issue 51, item 4: the step-time model is fitted over the deployment's history, so it
+    cannot see that one replica's machine turned busy (its steps 2.5x slower, the other's
+    not). The replica's StepTimeScale does: step times predicted before the steps ran come
+    within 20% again, and the router's speed for it follows."""
+    core = ControllerCore(ControllerConfig(enabled=True, half_life_s=5.0))
+    idle, busy = SimulatedReplica("idle", alpha=0.6), SimulatedReplica("busy", alpha=0.6, seed=1)
+    t = 0.0
+    for period in range(60):
+        if period == 30:
+            busy.slowdown = 2.5
+        for rep in (idle, busy):
+            reply = core.report(rep.telemetry(t, 1.0, 1, 1), now=t + 1.0)
+            if reply.policy is not None:
+                rep.policy = reply.policy
+        core.refit()
+        t += 1.0
+    views = {r.replica_id: r for r in core.view(now=t).replicas}
+    assert views["busy"].step_error < 0.2 and views["idle"].step_error < 0.2, views
+    assert views["busy"].step_error_unscaled > 0.3, views["busy"]  # the model alone is far off for it
+    assert 2.0 < views["busy"].step_scale / views["idle"].step_scale < 3.0, (views["busy"], views["idle"])
+    same = SpecPolicy.parse("chain2", version=5)
+    ratio = core.speed("busy", same, t).tpot_s(1) / core.speed("idle", same, t).tpot_s(1)
+    assert 2.0 < ratio < 3.0, ratio
+
+
 def test_an_idle_replica_keeps_its_policy_version():
     """Reports without steps (no traffic) push nothing: the policy version stays put, while a
     replica never decided for still gets its first policy at its first report. Two busy

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from adaspec.policy import SpecConfig, SpecPolicy
-from testkit.clients import (MODEL, URL, complete, drafted_depth, policy_of, push_policy, replica_status,
-                             replica_steps, set_controller)
+from testkit.clients import (MODEL, URL, acceptance_after_off, complete, drafted_depth, policy_of, push_policy,
+                             replica_status, replica_steps, set_controller)
 from testkit.metrics import check_acceptance_agrees_with_vllm, counter_sum
-from testkit.prompts import PROMPTS, REPETITIVE
+from testkit.prompts import LOOPING, PROMPTS, REPETITIVE
 from testkit.waits import wait_until
 
 pytestmark = pytest.mark.slow
@@ -109,6 +109,15 @@ def test_off_takes_effect_at_the_next_step_while_requests_flow(client):
     assert {s["config"] for s in after} == {"off"}
     # ...and after the one step that verifies drafts made under chain4, nothing is drafted.
     assert all(s["num_drafts"] == 0 for s in after[1:])
+
+
+def test_prompt_lookup_drafts_as_well_right_after_off(client):
+    """No stale drafter state (issue 51, item 3) for prompt lookup, which keeps none: the
+    n-gram match reads the request's tokens, all of them, whatever ran before."""
+    throughout, after_off = acceptance_after_off(client, LOOPING)
+    print(f"\n[ngram] tokens per chain4 step: {throughout:.2f} throughout, {after_off:.2f} after off")
+    assert throughout >= 2.0, throughout
+    assert after_off >= 0.8 * throughout, (throughout, after_off)
 
 
 def test_mixed_table_follows_the_running_batch_size(client):

@@ -19,7 +19,7 @@ from controller.core import ControllerCore
 from serve_app.ngram_shadow import SHADOW_SOURCE, NgramShadow, ngram_draft
 from serve_app.vllm_scheduler import AdaspecScheduler
 from testkit import vllm_scheduler as vs
-from testkit.simulated_replica import SimulatedReplica
+from testkit.simulated_replica import SimulatedReplica, synthetic_step_time
 
 MAX_K = 4
 TABLE = [[1, 8, MAX_K]]
@@ -258,3 +258,39 @@ def test_while_off_the_controller_learns_acceptance_from_the_shadow(shadow):
         assert k[0] >= 2 and k[-1] >= 3, k  # off -> chainK at the first report after the change
     else:
         assert rates[0] < 0.2 and all(p.config_for(1).is_off for p in replica.history)
+
+
+def best_static_depth(batch: int, alpha: float) -> int:
+    """The chain the simulated replica's truth makes fastest: tokens per second of a batch
+    under chainK = batch x E(k) / step time (testkit.simulated_replica's cost)."""
+    def tokens_per_s(k: int) -> float:
+        expected = sum(alpha ** i for i in range(k + 1))
+        return batch * expected / synthetic_step_time(batch, 1 + k, k, batch * 300, 0)
+    return max(range(MAX_K + 1), key=tokens_per_s)
+
+
+@pytest.mark.parametrize("detect", [True, False], ids=["change-detected", "decay-only"])
+def test_after_a_workload_change_the_policy_is_the_new_best_within_two_periods(detect):
+    """The live test's scenario (issue 51, item 2) on a simulated replica with shadow counts,
+    the controller's default half-life (20 s): 8 streams of text drafted badly, then one stream
+    of a looping prompt, then the 8 streams again. After each change the policy for the new
+    batch is the best static config of the truth by the second report. Decay alone (the
+    change test off) keeps the old workload's counts for many reports."""
+    core = ControllerCore(ControllerConfig(enabled=True, probe_every_s=1e9))
+    replica = ShadowReplica("r1", alpha=0.95, shadow=True)
+    t = replica.run(core, 1000.0, periods=30, batch=1, arrivals=1)  # both buckets measured once
+    replica.alpha = 0.05
+    t = replica.run(core, t, periods=30, batch=8, arrivals=8)
+    if not detect:
+        core.replicas["r1"].acceptance.change_gap = float("inf")
+    for batch, alpha in ((1, 0.95), (8, 0.05)):
+        best = best_static_depth(batch, alpha)
+        assert replica.policy.config_for(batch).depth != best  # the old workload's choice differs
+        replica.alpha = alpha
+        t = replica.run(core, t, periods=12, batch=batch, arrivals=batch)
+        depths = [p.config_for(batch).depth for p in replica.history]
+        if detect:
+            assert depths[1:] == [best] * 11, (batch, best, depths)
+        else:
+            assert depths[:4] != [best] * 4, (batch, best, depths)
+    print(f"\nworkload changes seen: {core.replicas['r1'].acceptance.changes}")
