@@ -429,7 +429,10 @@ def verdicts(doc: dict) -> list[dict]:
         pairs = [(peer, ref, goal) for peer, ref, goal in goals if peer in names and ref in names]
         plain = [n for n in ("vllm", f"vllm-ngram{k}") if n in names and rounds_of(cells, load, n)]
         if "adaspec:adaptive" in names and plain:
-            best = min(plain, key=lambda n: mean([t for r in rounds_of(cells, load, n) for t in r] or [math.inf]))
+            # Best by the goal's metric: normalized latency where the run recorded it.
+            field = "norm_latency_s" if all(c.get("norm_latency_s") for c in _cells_of(cells, load, plain[0])) \
+                else "tpots_s"
+            best = min(plain, key=lambda n: mean([t for r in rounds_of(cells, load, n, field) for t in r] or [math.inf]))
             pairs.append(("adaspec:adaptive", best, ADAPTIVE_GOAL))
         for peer, ref, goal in pairs:
             tpot = paired_rounds(cells, load, ref, peer)

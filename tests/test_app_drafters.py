@@ -40,10 +40,15 @@ class DrafterApp:
     # offline replay (distill/eagle3_eval.py) predicts 10 of 148 along the target's greedy
     # answer, and vLLM counted 10 of 148: the bound is well below, not a tuned number.
     min_acceptance: float
+    # Tokens per chain4 step on LOOPING, greedy: 1.31 (draft model) and 1.36 (head) measured
+    # (2026-12-07); a drafter whose cache missed the tokens made under `off` would gain about
+    # 1.0 there. Neither drafter was trained on text that loops, so neither copies it as
+    # prompt lookup does (4.47).
+    min_loop_tokens_per_step: float
 
 
-APPS = [DrafterApp("app-draft.yaml", 8002, "draft_model", 0.0),
-        DrafterApp("app-eagle.yaml", 8006, "eagle3", 0.03)]
+APPS = [DrafterApp("app-draft.yaml", 8002, "draft_model", 0.0, 1.2),
+        DrafterApp("app-eagle.yaml", 8006, "eagle3", 0.03, 1.2)]
 
 
 @pytest.fixture(scope="module", params=APPS, ids=[a.method for a in APPS])
@@ -135,8 +140,8 @@ def test_acceptance_right_after_off_equals_acceptance_under_chain4_throughout(ap
     """No stale drafter state (issue 51, item 3): a model drafter's first pass writes its KV
     cache for the tokens just accepted and runs at k = 0 too (docs/configuration.md), so a
     request that ran `off` for 24 tokens drafts as well from the switch to chain4 on as one
-    that ran chain4 throughout. LOOPING: both drafters predict its greedy continuation, so
-    a drafter with holes in its cache would show."""
+    that ran chain4 throughout. On LOOPING both drafters get drafts accepted, so a drafter
+    with holes in its cache (about 1.0 token a step) would show."""
     spec, _ = app
     set_controller(client, "pause")
     try:
@@ -144,5 +149,5 @@ def test_acceptance_right_after_off_equals_acceptance_under_chain4_throughout(ap
     finally:
         set_controller(client, "resume")
     print(f"\n[{spec.method} server] tokens per chain4 step: {throughout:.2f} throughout, {after_off:.2f} after off")
-    assert throughout >= 2.0, throughout  # the drafter predicts the loop: a collapse would show
+    assert throughout >= spec.min_loop_tokens_per_step, throughout
     assert after_off >= 0.8 * throughout, (throughout, after_off)

@@ -22,46 +22,19 @@ from adaspec.policy import SpecConfig
 from controller.actor import NAMESPACE, get_controller
 from controller.checkpoint_file import CHECKPOINT_FILE
 from controller.view import ControllerView
-from testkit.clients import MODEL, URL, ClosedLoopClients, complete, push_policy, replica_status, set_controller
-from testkit.prompts import LOOPING
+from testkit.clients import MODEL, URL, complete, push_policy, replica_status, set_controller
+from testkit import reaction
+from testkit.prompts import LOOPING, STORY
 from testkit.serve_process import session_processes
 from testkit.waits import wait_until
 
 pytestmark = pytest.mark.slow
 
-# Greedy decoding with ignore_eos drifts into repetition, which n-gram drafting predicts
-# moderately well: speculation pays for one sequence and costs at a large batch.
-PROMPT = "Write a short story about a cat who learns to fly."
-# LOOPING: prompt lookup's chain4 takes 4.2 tokens a step on it (PROMPT: 1.4).
+PROMPT = STORY  # LOOPING: prompt lookup's chain4 takes 4.2 tokens a step on it (PROMPT: 1.4)
 
 
-class Load(ClosedLoopClients):
-    """`concurrency` closed-loop clients sending `prompt` until stopped; counts failures."""
-
-    def __init__(self, concurrency: int, max_tokens: int = 96, prompt: str = PROMPT):
-        super().__init__(concurrency)
-        self.ok = 0
-        self.failures: list[str] = []
-        self.max_tokens, self.prompt = max_tokens, prompt
-
-    def _run(self, i: int) -> None:
-        with httpx.Client(base_url=URL, timeout=300) as c:
-            while not self.stop.is_set():
-                try:
-                    r = c.post("/v1/completions", json={"model": MODEL, "prompt": self.prompt, "max_tokens": self.max_tokens,
-                                                        "temperature": 0, "ignore_eos": True})
-                    if r.status_code == 200:
-                        self.ok += 1
-                    else:
-                        self.failures.append(f"{r.status_code} {r.text[:200]}")
-                except httpx.HTTPError as e:
-                    self.failures.append(repr(e))
-
-
-def _steps_at(client, since: float, batch_lo: int, batch_hi: int) -> list[dict]:
-    """Decode steps (no prefill) that ended after `since` at these batch sizes."""
-    return [s for s in replica_status(client)[0]["steps"]
-            if s["time"] > since and batch_lo <= s["batch_size"] <= batch_hi and not s["prefill_tokens"]]
+def _load(concurrency: int, max_tokens: int = 96, prompt: str = PROMPT) -> reaction.Load:
+    return reaction.Load(URL, concurrency, max_tokens, prompt)
 
 
 @pytest.fixture(scope="module")
@@ -94,28 +67,13 @@ def test_controller_view_is_served(client):
 
 
 def _phase(client, batch_lo: int, batch_hi: int, settled, what: str) -> tuple[set[str], str]:
-    """Run until `settled(configs seen, config of the last 10 s)` holds for the steps at these
-    batch sizes since the phase began; returns both. One config must have run 80% of the
-    last 10 s of steps: the controller has chosen and is not trying a neighbour."""
+    """testkit.reaction.settle, with what the replica ran and what the controller thought
+    when it fails: a failure here is a controller finding, and CI keeps only this output."""
     begin = time.time()
-
-    def probe():
-        steps = _steps_at(client, begin, batch_lo, batch_hi)
-        recent = Counter(s["config"] for s in steps if s["time"] > time.time() - 10)
-        if time.time() - begin < 10 or not recent:
-            return None
-        last, n = recent.most_common(1)[0]
-        seen = {s["config"] for s in steps}
-        if n >= 0.8 * recent.total() and settled(seen, last):
-            return seen, last
-        return None
-
     try:
-        return wait_until(probe, what, timeout_s=180, interval_s=2)
+        return reaction.settle(client, batch_lo, batch_hi, settled, what)
     except pytest.fail.Exception as failed:
-        # What the replica ran and what the controller thought: a failure here is a
-        # controller finding, and CI keeps only this output.
-        steps = _steps_at(client, begin, 1, 10_000)
+        steps = reaction.steps_at(client, begin, 1, 10_000)
         ran = Counter((s["batch_size"], s["config"]) for s in steps if s["time"] > time.time() - 30)
         status = {k: v for k, v in replica_status(client)[0].items() if not isinstance(v, list)}
         view = ControllerView.model_validate(client.get("/admin/controller").json())
@@ -144,14 +102,14 @@ def test_controller_speculates_for_one_stream_and_tries_a_second_config_under_a_
     set_controller(client, "pause")
     push_policy(client, "off")
     set_controller(client, "resume")
-    with Load(1, prompt=LOOPING):
+    with _load(1, prompt=LOOPING):
         _, low = _phase(client, 1, 1, lambda seen, last: SpecConfig.parse(last).depth >= 1,
                         "the controller settling on a speculating config for one stream")
-    with Load(24):
+    with _load(24):
         tried, busy = _phase(client, 17, 32, lambda seen, last: len(seen) >= 2,
                              "the controller trying a second config at batch 17-32 and settling")
         view = ControllerView.model_validate(client.get("/admin/controller").json())
-    with Load(1, prompt=LOOPING):
+    with _load(1, prompt=LOOPING):
         _, again = _phase(client, 1, 1, lambda seen, last: SpecConfig.parse(last).depth >= 1,
                           "the controller speculating for one stream again")
     # The phases' conditions are the assertions: each fails the test if it does not come about.
@@ -170,53 +128,23 @@ def test_controller_speculates_for_one_stream_and_tries_a_second_config_under_a_
 PERIOD_S = 1.0  # configs/app.yaml's controller.period_s
 
 
-def _first_step(client, since: float, batch_lo: int, batch_hi: int, what: str, matches=lambda s: True) -> dict:
-    """The first decode step at these batch sizes that ended after `since` and `matches`."""
-    def probe():
-        steps = [s for s in _steps_at(client, since, batch_lo, batch_hi) if matches(s)]
-        return min(steps, key=lambda s: s["time"]) if steps else None
-    return wait_until(probe, what, timeout_s=120, interval_s=0.1)
-
-
 def test_the_controller_follows_a_workload_change_within_two_periods(client):
     """Issue 51, item 2, the scenario docs/benchmarks.md measured at 65-81 s before shadow
-    acceptance: 8 streams of PROMPT (prompt lookup drafts it badly) run under chain4, then one
-    stream of LOOPING from `off`. The replica's n-gram shadow measures chain4's acceptance while
-    `off` runs, and the controller's acceptance model sees that the requests changed (its counts
-    restart), so the policy that runs chain4 at batch 1 is decided within 2 control periods of
-    the looping stream's first decode step. (The controller is resumed only once that step is
-    seen, so the policy in force when it arrives is `off`; the time the test takes to see it
-    counts against the controller.) A policy's version is the time it was decided, in ms.
-    The reverse: from that one stream, 8 streams of PROMPT; the config the controller runs at
-    batch 5-8 once it has settled (80% of 10 s of steps) is decided within 2 control periods of
-    their first decode step. Which config is best there is a close call on this CPU (the burst
-    test above), so the test names none; the benchmark compares it with the static configs."""
-    set_controller(client, "pause")
-    push_policy(client, "chain4")
-    with Load(8):
-        _phase(client, 5, 8, lambda seen, last: last == "chain4", "8 streams of PROMPT running under chain4")
-    push_policy(client, "off")
-    pushed_at = time.time()
-    with Load(1, prompt=LOOPING):
-        first = _first_step(client, pushed_at, 1, 1, "the looping stream's first decode step under off",
-                            lambda s: s["config"] == "off")
-        set_controller(client, "resume")
-        chain4 = _first_step(client, first["time"], 1, 1, "a chain4 step at batch 1",
-                             lambda s: s["config"] == "chain4")
-    forward_periods = (chain4["policy_version"] / 1000 - first["time"]) / PERIOD_S
-    changed_at = time.time()
-    with Load(8):
-        first8 = _first_step(client, changed_at, 5, 8, "the first decode step of 8 streams")
-        _, settled = _phase(client, 5, 8, lambda seen, last: True, "the controller settling at batch 5-8")
-        reached = _first_step(client, first8["time"] - 1, 5, 8, f"a {settled} step at batch 5-8",
-                              lambda s: s["config"] == settled)
-    reverse_periods = max(reached["policy_version"] / 1000 - first8["time"], 0.0) / PERIOD_S
+    acceptance (testkit/reaction.py): 8 streams of PROMPT under chain4, then one stream of
+    LOOPING from `off`. The replica's n-gram shadow measures chain4's acceptance while `off`
+    runs and the controller's acceptance model sees that the requests changed (its counts
+    restart), so chain4 is decided for batch 1 within 2 control periods of the looping
+    stream's first decode step. The reverse, 8 streams of PROMPT again: the config the
+    controller settles on at batch 5-8 is decided within 2 periods of their first decode
+    step. Which config is best there is a close call on this CPU (the burst test above), so
+    the test names none; `python -m bench.reaction` compares it with the static configs."""
+    forward = reaction.forward(client, URL)
+    reverse = reaction.reverse(client, URL)
     view = ControllerView.model_validate(client.get("/admin/controller").json())
-    print(f"\n[reaction] off -> chain4 on the looping stream: decided {forward_periods:.2f} periods after its first "
-          f"step; 8 streams (first step under {first8['config']}): {settled} decided {reverse_periods:.2f} periods "
-          f"after their first step; workload changes seen {view.replicas[0].workload_changes}")
-    assert forward_periods <= 2, forward_periods
-    assert reverse_periods <= 2, (first8["config"], settled, reverse_periods)
+    print(f"\n[reaction] {forward}: {forward.periods(PERIOD_S):.2f} periods; {reverse}: "
+          f"{reverse.periods(PERIOD_S):.2f} periods; workload changes seen {view.replicas[0].workload_changes}")
+    assert forward.periods(PERIOD_S) <= 2, forward
+    assert reverse.periods(PERIOD_S) <= 2, reverse
 
 
 def _view_or_none():
@@ -233,7 +161,7 @@ def test_controller_crash_loses_no_request_and_resumes_from_checkpoint(server, c
     before = ray.get(get_controller().view.remote())
     assert not before.restored_from_checkpoint  # the session started with no checkpoint
     taken = time.time()
-    with Load(4) as load:
+    with _load(4) as load:
         # Killed with requests in flight, after a checkpoint newer than `before`.
         wait_until(lambda: load.ok >= 1 and checkpoint.is_file() and checkpoint.stat().st_mtime > taken,
                    "a finished request and a controller checkpoint written after the first view")
