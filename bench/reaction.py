@@ -96,7 +96,7 @@ def run(url: str, rounds: int, seconds: float, period_s: float) -> dict:
                   + "; ".join(f"{d} {x.before} -> {x.after} in {x.periods(period_s):.2f} periods, best static "
                               f"{best_static(static[d])}" for d, x in found.items()), flush=True)
     return {"url": url, "rounds": rounds, "seconds_per_static": seconds, "period_s": period_s,
-            "hog_processes": HOG_PROCESSES, "machine": machine.at_end(start), "results": results}
+            "hog_processes": HOG_PROCESSES, "machine": {**start, **machine.at_end(start)}, "results": results}
 
 
 def best_static(cells: dict[str, dict]) -> str:
@@ -142,11 +142,12 @@ def write_report(out: Path) -> Path:
         f"Control period {doc['period_s']} s; each static config measured {doc['seconds_per_static']:.0f} s per "
         "workload and round (output tokens/s of the replica's decode steps, the controller paused).",
         "",
-        "- forward: 8 streams of a story prompt under chain4, then one stream of a looping prompt from `off`; "
-        "reaction = from its first decode step to the decision of chain4 (before shadow acceptance and the "
-        f"workload-change test: `off` held {BEFORE_SHADOW_S[0]:.0f} s, chain4 after {BEFORE_SHADOW_S[1]:.0f} s).",
-        "- reverse: from that stream, the 8 streams again; reaction = from their first decode step to the "
-        "decision of the config the controller settled on (0 when it was in force already).",
+        "- forward: 8 streams of a story prompt under chain4, then one stream of a looping prompt from `off` "
+        f"(before shadow acceptance and the workload-change test: `off` held {BEFORE_SHADOW_S[0]:.0f} s, chain4 "
+        f"reached after {BEFORE_SHADOW_S[1]:.0f} s).",
+        "- reverse: from that stream, the 8 streams again.",
+        "- reaction: from the new workload's first decode step to the decision of the config the controller "
+        "settled on (80% of 10 s of steps; 0 when it was in force already).",
         "",
         "| workload | round | reaction (periods) | controller's choice | best static | choice / best (tokens/s) |",
         "|---|---|---|---|---|---|",
@@ -191,6 +192,7 @@ def plot(doc: dict, s: dict, path: Path) -> None:
     left.axhspan(*BEFORE_SHADOW_S, color="grey", alpha=0.3, label="before (forward)")
     left.axhline(2 * doc["period_s"], color="k", ls="--", lw=1, label="2 control periods")
     left.set_yscale("symlog", linthresh=1.0)
+    left.set_ylim(bottom=0)
     left.set_ylabel("reaction (s)")
     right.axhline(1.0, color="k", lw=1)
     right.set_ylabel("controller's choice / best static (tokens/s)")

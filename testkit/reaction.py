@@ -4,11 +4,11 @@ the scenario tests/test_controller_live.py asserts and `python -m bench.reaction
 - forward: 8 streams of STORY (prompt lookup drafts it badly) run under chain4 with the
   controller paused, then one stream of LOOPING under `off`; the controller is resumed as
   soon as that stream's first decode step is seen (the time the caller takes to see it counts
-  against the controller). Reaction: from that step to the decision of the first policy that
-  runs chain4 at batch 1 (a policy's version is the wall-clock ms it was decided).
-- reverse: from that one stream, 8 streams of STORY with the controller running. Reaction:
-  from their first decode step to the decision of the config the controller runs at batch 5-8
-  once settled (80% of 10 s of steps); 0 when it was in force already.
+  against the controller).
+- reverse: from that one stream, 8 streams of STORY with the controller running.
+Reaction: from the new workload's first decode step to the decision of the config the
+controller runs for it once settled (80% of 10 s of steps at its batch sizes; a policy's
+version is the wall-clock ms it was decided); 0 when that config was in force already.
 
 The 65-81 s measured before shadow acceptance (docs/benchmarks.md) is the forward case.
 """
@@ -102,6 +102,16 @@ class Reaction:
         return asdict(self)
 
 
+def _settled_reaction(client: httpx.Client, direction: str, first: dict, batch_lo: int, batch_hi: int) -> Reaction:
+    """From the new workload's `first` decode step: the config the controller settles on at
+    these batch sizes and when it was decided (0 s when it was in force already)."""
+    _, settled = settle(client, batch_lo, batch_hi, lambda seen, last: True,
+                        f"the controller settling at batch {batch_lo}-{batch_hi}")
+    reached = first_step(client, first["time"] - 1, batch_lo, batch_hi, f"a {settled} step at batch {batch_lo}-{batch_hi}",
+                         lambda s: s["config"] == settled)
+    return Reaction(direction, first["config"], settled, max(reached["policy_version"] / 1000 - first["time"], 0.0))
+
+
 def forward(client: httpx.Client, url: str) -> Reaction:
     """8 streams of STORY under chain4, then one stream of LOOPING from `off`."""
     set_controller(client, "pause")
@@ -114,9 +124,7 @@ def forward(client: httpx.Client, url: str) -> Reaction:
         first = first_step(client, pushed_at, 1, 1, "the looping stream's first decode step under off",
                            lambda s: s["config"] == "off")
         set_controller(client, "resume")
-        chain4 = first_step(client, first["time"], 1, 1, "a chain4 step at batch 1",
-                            lambda s: s["config"] == "chain4")
-    return Reaction("forward", first["config"], "chain4", chain4["policy_version"] / 1000 - first["time"])
+        return _settled_reaction(client, "forward", first, 1, 1)
 
 
 def reverse(client: httpx.Client, url: str) -> Reaction:
@@ -125,7 +133,4 @@ def reverse(client: httpx.Client, url: str) -> Reaction:
     changed_at = time.time()
     with Load(url, STREAMS):
         first = first_step(client, changed_at, 5, STREAMS, f"the first decode step of {STREAMS} streams")
-        _, settled = settle(client, 5, STREAMS, lambda seen, last: True, f"the controller settling at batch 5-{STREAMS}")
-        reached = first_step(client, first["time"] - 1, 5, STREAMS, f"a {settled} step at batch 5-{STREAMS}",
-                             lambda s: s["config"] == settled)
-    return Reaction("reverse", first["config"], settled, max(reached["policy_version"] / 1000 - first["time"], 0.0))
+        return _settled_reaction(client, "reverse", first, 5, STREAMS)
