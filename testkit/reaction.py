@@ -107,8 +107,9 @@ def _settled_reaction(client: httpx.Client, direction: str, first: dict, batch_l
     these batch sizes and when it was decided (0 s when it was in force already)."""
     _, settled = settle(client, batch_lo, batch_hi, lambda seen, last: True,
                         f"the controller settling at batch {batch_lo}-{batch_hi}")
-    reached = first_step(client, first["time"] - 1, batch_lo, batch_hi, f"a {settled} step at batch {batch_lo}-{batch_hi}",
-                         lambda s: s["config"] == settled)
+    # From `first` on (included): not a step of the old workload's last requests at these sizes.
+    reached = first_step(client, first["time"] - 1e-3, batch_lo, batch_hi,
+                         f"a {settled} step at batch {batch_lo}-{batch_hi}", lambda s: s["config"] == settled)
     return Reaction(direction, first["config"], settled, max(reached["policy_version"] / 1000 - first["time"], 0.0))
 
 
