@@ -1,5 +1,6 @@
 """The controller's reaction to a change of workload, on a served default app (issue 51, item 2):
-the scenario tests/test_controller_live.py asserts and `python -m bench.reaction` repeats.
+the scenario tests/test_controller_live.py asserts (forward, to chain4) and `python -m
+bench.reaction` repeats.
 
 - forward: 8 streams of STORY (prompt lookup drafts it badly) run under chain4 with the
   controller paused, then one stream of LOOPING under `off`; the controller is resumed as
@@ -113,8 +114,10 @@ def _settled_reaction(client: httpx.Client, direction: str, first: dict, batch_l
     return Reaction(direction, first["config"], settled, max(reached["policy_version"] / 1000 - first["time"], 0.0))
 
 
-def forward(client: httpx.Client, url: str) -> Reaction:
-    """8 streams of STORY under chain4, then one stream of LOOPING from `off`."""
+def forward(client: httpx.Client, url: str, target: str | None = None) -> Reaction:
+    """8 streams of STORY under chain4, then one stream of LOOPING from `off`. With `target`,
+    the reaction ends at the decision of the first policy that runs `target` at batch 1
+    instead of the one the controller settles on."""
     set_controller(client, "pause")
     push_policy(client, "chain4")
     with Load(url, STREAMS):
@@ -125,7 +128,11 @@ def forward(client: httpx.Client, url: str) -> Reaction:
         first = first_step(client, pushed_at, 1, 1, "the looping stream's first decode step under off",
                            lambda s: s["config"] == "off")
         set_controller(client, "resume")
-        return _settled_reaction(client, "forward", first, 1, 1)
+        if target is None:
+            return _settled_reaction(client, "forward", first, 1, 1)
+        reached = first_step(client, first["time"] - 1e-3, 1, 1, f"a {target} step at batch 1",
+                             lambda s: s["config"] == target)
+        return Reaction("forward", first["config"], target, reached["policy_version"] / 1000 - first["time"])
 
 
 def reverse(client: httpx.Client, url: str) -> Reaction:

@@ -136,22 +136,10 @@ def test_the_controller_leaves_off_for_chain4_far_faster_than_before(client):
     acceptance model sees that the requests changed, so chain4, the best static config there
     (3.8-4.1x `off`), is decided for batch 1 within 30 control periods of that step; before,
     81 s. The goal is 2: `python -m bench.reaction` met it with a fresh controller (0.87-1.16
-    periods, 3 rounds), but in this suite, after the burst and crash tests above, the
-    controller took about 3 periods to leave `off` and 15 to reach chain4 (2026-12-07): the
-    test bounds what holds, and fails if the old behaviour returns."""
-    set_controller(client, "pause")
-    push_policy(client, "chain4")
-    with _load(8):
-        _phase(client, 5, 8, lambda seen, last: last == "chain4", "8 streams of PROMPT under chain4")
-    push_policy(client, "off")
-    pushed_at = time.time()
-    with _load(1, prompt=LOOPING):
-        first = reaction.first_step(client, pushed_at, 1, 1, "the looping stream's first decode step under off",
-                                    lambda s: s["config"] == "off")
-        set_controller(client, "resume")
-        chain4 = reaction.first_step(client, first["time"], 1, 1, "a chain4 step at batch 1",
-                                     lambda s: s["config"] == "chain4")
-    periods = (chain4["policy_version"] / 1000 - first["time"]) / PERIOD_S
+    periods, 3 rounds), but in this suite, after the burst and crash tests above, it took
+    14.9 s in one run and 0.63 periods in another (2026-12-07): the test bounds what holds,
+    and fails if the old behaviour returns."""
+    periods = reaction.forward(client, URL, target="chain4").periods(PERIOD_S)
     view = ControllerView.model_validate(client.get("/admin/controller").json())
     print(f"\n[reaction] off -> chain4 for the looping stream decided {periods:.2f} periods after its first step; "
           f"workload changes seen {view.replicas[0].workload_changes}")
