@@ -88,6 +88,11 @@ def add_url(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
+def add_model(p: argparse.ArgumentParser) -> None:
+    """--model: the admin routes' `model`, for an app that serves several."""
+    p.add_argument("--model", default=None, help="the replicas of one model of the app only (default: every model's)")
+
+
 def add_workload(p: argparse.ArgumentParser) -> None:
     """The flags of the requests `bench` and `sweep` send (read back by `request_mix`)."""
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of inter-arrival times (1: Poisson)")

@@ -13,6 +13,7 @@ import yaml
 from pydantic import ValidationError
 
 ADASPEC_IMPORT_PATH = "serve_app:build_app"
+RAY_LLM_IMPORT_PATH = "serve_app:build_openai_app"  # Ray Serve LLM's args (serve_app/ray_serving_args.py)
 
 
 class ConfigError(ValueError):
@@ -29,12 +30,13 @@ def _format_validation_error(prefix: str, err: ValidationError) -> str:
 
 def check_serve_config(path: str | Path) -> None:
     """Validate the file with Ray's own ServeDeploySchema, and adaspec apps' `args` with
-    AppConfig (model resolved, vLLM engine arguments checked). Raises ConfigError."""
+    AppConfig, or as Ray Serve LLM's args (model resolved, vLLM engine arguments checked).
+    Raises ConfigError."""
     from ray.serve.schema import ServeDeploySchema
 
-    from adaspec.models import ModelError
-    from serve_app.builder import check_ranks_fit
+    from serve_app.builder import check_can_start
     from serve_app.config import AppConfig
+    from serve_app.ray_serving_args import in_ray_terms, read_serving_args
 
     path = Path(path)
     if not path.is_file():
@@ -48,23 +50,24 @@ def check_serve_config(path: str | Path) -> None:
     except ValidationError as e:
         raise ConfigError(f"{path}:\n" + _format_validation_error("", e)) from None
     for app in schema.applications:
-        if app.import_path != ADASPEC_IMPORT_PATH:
+        if app.import_path not in (ADASPEC_IMPORT_PATH, RAY_LLM_IMPORT_PATH):
             continue
         prefix = f"applications[{app.name}].args."
         try:
-            cfg = AppConfig.model_validate(app.args or {})
-            cfg.check_engine_kwargs()
-            cfg.admin.check_exposure(schema.http_options.host)
+            if app.import_path == RAY_LLM_IMPORT_PATH:
+                models = read_serving_args(app.args or {}).models
+                configs = [(f"llm_configs[{i}].", m.app) for i, m in enumerate(models)]
+            else:
+                configs = [("", AppConfig.model_validate(app.args or {}))]
+                configs[0][1].check_engine_kwargs()
         except ValidationError as e:
             raise ConfigError(f"{path}:\n" + _format_validation_error(prefix, e)) from None
         except ValueError as e:
             raise ConfigError(f"{path}: {prefix}{e}") from None
-        try:
-            cfg.resolve_models()
-        except ModelError as e:
-            raise ConfigError(f"{prefix}{e}") from None
-        try:
-            cfg.check_tensor_parallel()
-            check_ranks_fit(cfg)
-        except ValueError as e:
-            raise ConfigError(f"{path}: {prefix}{e}") from None
+        for where, cfg in configs:
+            try:
+                cfg.admin.check_exposure(schema.http_options.host)
+                check_can_start(cfg)
+            except ValueError as e:  # ModelError too
+                message = in_ray_terms(str(e)) if where else str(e)
+                raise ConfigError(f"{path}: {prefix}{where}{message}") from None

@@ -8,7 +8,7 @@ import argparse
 import json
 import time
 
-from cli.arguments import add_url
+from cli.arguments import add_model, add_url
 from serve_app import admin_client
 
 
@@ -16,13 +16,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("status", help="per-replica policy, acceptance and step time")
     add_url(p)
     p.add_argument("--watch", type=float, default=None, metavar="SECONDS", help="refresh every SECONDS")
+    add_model(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     while True:
-        reports = admin_client.status(args.url, token=args.token)
-        view = admin_client.controller_view(args.url, token=args.token)
+        reports = admin_client.status(args.url, token=args.token, model=args.model)
+        view = admin_client.controller_view(args.url, token=args.token, model=args.model)
         if args.json:
             print(json.dumps({"replicas": [r.model_dump(mode="json") for r in reports],
                               "controller": view.model_dump(mode="json") if view else None}, indent=2))

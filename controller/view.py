@@ -110,6 +110,12 @@ class ControllerView(BaseModel):
     def deployment(self, model_id: str) -> DeploymentView | None:
         return next((d for d in self.deployments if d.model_id == model_id), None)
 
+    def of_model(self, model_id: str) -> ControllerView:
+        """The view of one model's deployment and replicas (the counters stay the controller's;
+        dropped replicas are kept, since the controller no longer knows their model)."""
+        return self.model_copy(update={"replicas": [r for r in self.replicas if r.model_id == model_id],
+                                       "deployments": [d for d in self.deployments if d.model_id == model_id]})
+
 
 def deployment_view(model_id: str, dep: Deployment, replicas: list[Replica]) -> DeploymentView:
     max_k = max((r.capabilities.max_k for r in replicas), default=0)

@@ -32,20 +32,27 @@ def _request(method: str, url: str, path: str, token: str | None, **kwargs) -> l
     return resp.json()
 
 
-def status(url: str, token: str | None = None) -> list[ReplicaTelemetry]:
-    return [ReplicaTelemetry.model_validate(r) for r in _request("GET", url, "/admin/status", token)]
+def _model_query(model: str | None) -> dict:
+    return {} if model is None else {"params": {"model": model}}
+
+
+def status(url: str, token: str | None = None, model: str | None = None) -> list[ReplicaTelemetry]:
+    """Every replica's telemetry (of `model` only, when given)."""
+    reports = _request("GET", url, "/admin/status", token, **_model_query(model))
+    return [ReplicaTelemetry.model_validate(r) for r in reports]
 
 
 def set_policy(url: str, table: str, token: str | None = None, version: int | None = None,
-               replica_id: str | None = None) -> list[PolicyAck]:
-    body = {"table": table, "version": version, "replica_id": replica_id}
+               replica_id: str | None = None, model: str | None = None) -> list[PolicyAck]:
+    body = {"table": table, "version": version, "replica_id": replica_id, "model": model}
     return [PolicyAck.model_validate(a) for a in _request("POST", url, "/admin/policy", token, json=body)]
 
 
-def controller_view(url: str, token: str | None = None) -> ControllerView | None:
-    """The controller's view, or None when no controller runs."""
+def controller_view(url: str, token: str | None = None, model: str | None = None) -> ControllerView | None:
+    """The controller's view (of `model`'s deployment and replicas, when given), or None when no
+    controller runs."""
     try:
-        return ControllerView.model_validate(_request("GET", url, "/admin/controller", token))
+        return ControllerView.model_validate(_request("GET", url, "/admin/controller", token, **_model_query(model)))
     except AdminError as e:
         if "HTTP 404" in str(e):
             return None
@@ -113,7 +120,7 @@ def format_status(reports: list[ReplicaTelemetry]) -> str:
         batch_sizes = sorted({s.batch_size for s in steps})
         step_ms = 1000 * sum(s.duration_s for s in steps) / len(steps) if steps else 0.0
         span = r.window_end - r.window_start
-        head = f"replica {r.replica_id}"
+        head = f"replica {r.replica_id} of {r.model_id}"
         if r.info is not None:
             caps = r.info.capabilities
             head += (f"  on node {r.info.node_id[:8]} ({r.info.node_ip})  ({caps.engine}, {caps.draft_method}, "

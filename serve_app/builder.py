@@ -1,4 +1,5 @@
-"""Build the Ray Serve application from an `AppConfig` (`import_path: serve_app:build_app`).
+"""Build the Ray Serve application from an `AppConfig` (`import_path: serve_app:build_app`), or
+from Ray Serve LLM's own args (`import_path: serve_app:build_openai_app`).
 
 The graph: AdaspecIngress (OpenAI API + admin) -> SpecReplica x num_replicas, each hosting
 a vLLM engine whose scheduler is adaspec's (`engine: vllm`) or adaspec's native tree engine
@@ -19,10 +20,14 @@ from ray.serve.deployment import Application
 
 from prepare.models import resolve_model, tokenizer_folder
 from controller.actor import HEAD_NODE_RESOURCE
-from serve_app.config import AppConfig
+from controller.config import ControllerConfig
+from serve_app.config import AdminConfig, ApiKeySource, AppConfig
 from serve_app.ingress import ENDPOINTS, AdaspecIngress, ingress_app
 from serve_app.native_adapter import AdaspecNativeEngine, NativeSettings
-from serve_app.ray_llm import LLMConfig, build_llm_deployment, make_fastapi_ingress, to_model_metadata
+from serve_app.ray_llm import (
+    LLMConfig, build_llm_deployment, make_fastapi_ingress, maybe_apply_llm_deployment_config_defaults, to_model_metadata,
+)
+from serve_app.ray_serving_args import ServedModel, in_ray_terms, merge_user_fields, read_serving_args
 from serve_app.replica import ReplicaSettings, SpecReplica
 from serve_app.vllm_cudagraphs import START_POLICY_ENV, capture_sizes, capture_table
 from serve_app.vllm_engine import SCHEDULER_CLS
@@ -117,26 +122,30 @@ def native_settings(cfg: AppConfig) -> NativeSettings:
         policy=spec.policy,
         dtype=cfg.dtype if cfg.dtype != "auto" or on_cpu else "bfloat16",
         device="cpu" if on_cpu else "cuda",
-        max_batch_size=cfg.max_num_seqs, max_model_len=cfg.max_model_len, tree_budget=cfg.tree_budget,
+        max_batch_size=cfg.max_num_seqs, max_model_len=cfg.context_len, tree_budget=cfg.tree_budget,
         compile_decode=cfg.compile_decode, compile_autotune=cfg.compile_autotune,
         torch_threads=cfg.cpu_threads or os.cpu_count() or 1,
     )
 
 
-def llm_config(cfg: AppConfig) -> LLMConfig:
-    """The ray.serve.llm LLMConfig for one replica deployment of `cfg`."""
+def llm_config(cfg: AppConfig, user: LLMConfig | None = None) -> LLMConfig:
+    """The ray.serve.llm LLMConfig for one replica deployment of `cfg`; given the user's own
+    LLMConfig (serve_app:build_openai_app), with its fields adaspec does not read."""
+    kwargs = llm_config_kwargs(cfg)
+    return LLMConfig(**(kwargs if user is None else merge_user_fields(kwargs, user)))
+
+
+def llm_config_kwargs(cfg: AppConfig) -> dict[str, Any]:
+    """The arguments of the replica deployment's LLMConfig, as adaspec sets them."""
     on_cpu = cfg.accelerator == "cpu"
+    loading = {"model_id": cfg.model_id, "model_source": resolve_model(cfg.model)}
     if cfg.engine == "native":
         # The native engine takes its settings from NativeSettings; ray.serve.llm still
         # builds (and never starts) a vLLM engine config from this, so keep it minimal.
-        engine_kwargs = {"max_model_len": cfg.max_model_len}
-        return LLMConfig(
-            model_loading_config={"model_id": cfg.model_id, "model_source": resolve_model(cfg.model)},
-            engine_kwargs=engine_kwargs, log_engine_metrics=False, **_placement(cfg),
-        )
+        return {"model_loading_config": loading, "engine_kwargs": {"max_model_len": cfg.context_len},
+                "log_engine_metrics": False, **_placement(cfg)}
     engine_kwargs = {
         **cfg.engine_kwargs,
-        "max_model_len": cfg.max_model_len,
         "max_num_seqs": cfg.max_num_seqs,
         "dtype": "float32" if on_cpu and cfg.dtype == "auto" else cfg.dtype,
         "tensor_parallel_size": cfg.tensor_parallel_size,
@@ -144,6 +153,8 @@ def llm_config(cfg: AppConfig) -> LLMConfig:
         "scheduler_cls": SCHEDULER_CLS,
         "speculative_config": speculative_config(cfg),
     }
+    if cfg.context_len is not None:  # else vLLM's default: the model's own context length
+        engine_kwargs["max_model_len"] = cfg.context_len
     if not on_cpu:
         # vLLM's CPU build captures no CUDA graphs (it clears the capture sizes itself).
         engine_kwargs["compilation_config"] = compilation_config(cfg)
@@ -155,12 +166,10 @@ def llm_config(cfg: AppConfig) -> LLMConfig:
         # An explicit size: vLLM's CPU default (a share of the NUMA node's RAM, minus what
         # the process already holds) fails on small machines.
         engine_kwargs["kv_cache_memory_bytes"] = int(kv_gib * 2**30)
-    return LLMConfig(
-        model_loading_config={"model_id": cfg.model_id, "model_source": resolve_model(cfg.model)},
-        engine_kwargs=engine_kwargs,
-        log_engine_metrics=True,
-        **_placement(cfg),
-    )
+    placement = _placement(cfg)
+    if cfg.accelerator_type is not None:
+        placement["accelerator_type"] = cfg.accelerator_type  # ray.serve.llm adds it to every GPU bundle
+    return {"model_loading_config": loading, "engine_kwargs": engine_kwargs, "log_engine_metrics": True, **placement}
 
 
 # How often Serve's controller asks each replica for its RoutingStats (seconds), how long it
@@ -293,28 +302,61 @@ def check_ranks_fit(cfg: AppConfig) -> None:
                          f"bundle per rank, STRICT_PACK); the largest node has {largest:g}")
 
 
+def check_can_start(cfg: AppConfig) -> None:
+    """What can be checked of one model before Serve starts it: its model (and drafter) resolved,
+    prepared if embedded; the tensor parallelism against their heads and the nodes. ValueError
+    (ModelError too) naming the field."""
+    cfg.resolve_models()
+    cfg.check_tensor_parallel()
+    check_ranks_fit(cfg)
+
+
 def build_app(args: dict[str, Any] | None = None) -> Application:
     """Ray Serve application builder; `args` is the `args:` block of the Serve config."""
     cfg = AppConfig.model_validate(args or {})
     cfg.check_engine_kwargs()
-    cfg.resolve_models()
-    cfg.check_tensor_parallel()
-    check_ranks_fit(cfg)
-    config = llm_config(cfg)
-    bind_kwargs: dict[str, Any] = {"settings": ReplicaSettings(controller=cfg.controller)}
-    if cfg.engine == "native":
-        bind_kwargs["engine_cls"] = functools.partial(AdaspecNativeEngine, settings=native_settings(cfg))
-    replicas = build_llm_deployment(config, bind_kwargs=bind_kwargs, deployment_cls=SpecReplica)
-    ingress_cls = make_fastapi_ingress(AdaspecIngress, endpoint_map=ENDPOINTS, app=ingress_app(cfg.api_key_source))
+    return _openai_app([ServedModel(app=cfg)], cfg.admin, cfg.controller, cfg.api_key_source)
+
+
+def build_openai_app(args: dict[str, Any]) -> Application:
+    """The builder of `import_path: serve_app:build_openai_app`: Ray Serve LLM's LLMServingArgs
+    (`llm_configs`, `ingress_deployment_config`) plus an optional `adaspec:` block; one replica
+    deployment per model behind one ingress (serve_app/ray_serving_args.py)."""
+    app = read_serving_args(args)
+    first = app.models[0].app  # the app-wide settings are the same in every model's config
+    return _openai_app(app.models, first.admin, first.controller, first.api_key_source, app.ingress_deployment_config)
+
+
+def _openai_app(models: list[ServedModel], admin: AdminConfig, controller: ControllerConfig,
+                api_key: ApiKeySource | None, ingress_deployment_config: dict[str, Any] | None = None) -> Application:
+    """The ingress (OpenAI and admin routes) over one replica deployment per model."""
+    configs, replicas = {}, {}
+    for i, model in enumerate(models):
+        cfg = model.app
+        where = "" if model.user is None else f"llm_configs[{i}]."
+        try:
+            check_can_start(cfg)
+            config = llm_config(cfg, model.user)
+        except ValueError as e:  # ModelError and RayArgsError too: say which model
+            if not where:
+                raise
+            raise type(e)(f"{where}{in_ray_terms(str(e))}") from None
+        bind_kwargs: dict[str, Any] = {"settings": ReplicaSettings(controller=controller)}
+        if cfg.engine == "native":
+            bind_kwargs["engine_cls"] = functools.partial(AdaspecNativeEngine, settings=native_settings(cfg))
+        configs[cfg.model_id] = config
+        replicas[cfg.model_id] = build_llm_deployment(config, bind_kwargs=bind_kwargs, deployment_cls=SpecReplica)
+    ingress_cls = make_fastapi_ingress(AdaspecIngress, endpoint_map=ENDPOINTS, app=ingress_app(api_key))
     # On the head, beside the HTTP proxy (proxy_location: HeadOnly): the ingress holds every
     # open stream, so on a worker node a lost node would cut streams of every replica, not
     # just those of the replicas it ran.
-    ingress_options = {**AdaspecIngress.get_deployment_options([config]),
+    ingress_options = {**AdaspecIngress.get_deployment_options(list(configs.values())),
                        "ray_actor_options": {"num_cpus": 0, "resources": {HEAD_NODE_RESOURCE: 0.001}}}
+    ingress_options = maybe_apply_llm_deployment_config_defaults(ingress_options, ingress_deployment_config)
     return serve.deployment(ingress_cls, **ingress_options).bind(
-        llm_deployments={cfg.model_id: replicas},
-        model_cards={cfg.model_id: to_model_metadata(cfg.model_id, config)},
-        admin=cfg.admin,
-        controller=cfg.controller,
-        api_key=cfg.api_key_source,
+        llm_deployments=replicas,
+        model_cards={model_id: to_model_metadata(model_id, config) for model_id, config in configs.items()},
+        admin=admin,
+        controller=controller,
+        api_key=api_key,
     )

@@ -225,6 +225,10 @@ class ApiKeySource:
         return secret_from_env("api_key_env", self.env, "the API key of the OpenAI routes", environ)
 
 
+# The default context window of a CPU engine: KV cache sized for a laptop (1 GiB on cpu).
+CPU_CONTEXT_LEN = 2048
+
+
 class AutoscalingSettings(_Strict):
     """Ray Serve's own replica autoscaling (its `autoscaling_config` on the replica deployment)."""
 
@@ -258,6 +262,9 @@ class AppConfig(_Strict):
         "kv_cache_gib or engine_kwargs)",
     )
     accelerator: Literal["cpu", "gpu"] = Field(default="cpu", description="where each replica's engine runs")
+    accelerator_type: str | None = Field(
+        default=None, description="gpu only: the GPU type each replica is placed on (Ray's accelerator type, e.g. "
+        "`A10G`, `L4`, `H100`: Ray Serve LLM's accelerator_type); default any GPU")
     tensor_parallel_size: int = Field(
         default=1, ge=1,
         description="tensor-parallel ranks per replica (vllm only): one placement-group bundle each (a GPU, "
@@ -280,7 +287,9 @@ class AppConfig(_Strict):
         default=None, ge=-1,
         description="requests that wait in the ingress for a replica with room (Serve's max_queued_requests); "
         "beyond it a request gets HTTP 429 with Retry-After at once; -1 = no bound; default 2 x max_num_seqs")
-    max_model_len: int = Field(default=2048, ge=16, description="context window (tokens)")
+    max_model_len: int | None = Field(
+        default=None, ge=16, description="context window (tokens); default 2048 on cpu and for engine native, on "
+        "gpu the model's own (vLLM's default)")
     max_num_seqs: int = Field(default=64, ge=1, description="largest running batch (requests)")
     kv_cache_gib: float | None = Field(
         default=None, gt=0,
@@ -350,6 +359,8 @@ class AppConfig(_Strict):
         elif any(rule.config.per_request for rule in self.speculation.initial_policy().rules):
             raise ValueError("speculation.policy: per-request budgets (auto, budgetN) need engine: native")
         self._check_drafter()
+        if self.accelerator_type is not None and self.accelerator != "gpu":
+            raise ValueError("accelerator_type: a GPU type; set accelerator: gpu, or remove it")
         if self.compile_autotune and not self.compile_decode:
             raise ValueError("compile_autotune: tunes what compile_decode compiles; set compile_decode: true too")
         if self.api_key is not None and self.api_key_env is not None:
@@ -384,6 +395,14 @@ class AppConfig(_Strict):
         if self.engine_kwargs:
             raise ValueError(f"engine_kwargs: vLLM engine arguments; engine native takes none "
                              f"(got {sorted(self.engine_kwargs)})")
+
+    @property
+    def context_len(self) -> int | None:
+        """The context window in force: max_model_len, or 2048 on cpu and for the native engine
+        (which sizes its KV cache from it); None on a vLLM GPU engine: vLLM takes the model's."""
+        if self.max_model_len is not None:
+            return self.max_model_len
+        return CPU_CONTEXT_LEN if self.accelerator == "cpu" or self.engine == "native" else None
 
     @property
     def model_id(self) -> str:

@@ -14,10 +14,11 @@ Admin routes (off unless `admin.enabled`; `Authorization: Bearer <token>` when a
 configured, as `admin.token` or in the variable `admin.token_env` names; enabled without a
 token only on a loopback host, else the ingress refuses to start; bodies up to 64 KiB and
 policies up to 1,000 rules), used by `adaspec status` and `adaspec policy set`:
-- GET  /admin/status  -> [ReplicaTelemetry], one per replica
-- POST /admin/policy  {"table": "1-2:chain4,3+:off", "replica_id": optional} -> [PolicyAck],
-  one per replica (a replica other than `replica_id` answers `not_this_replica`)
-- GET  /admin/controller -> ControllerView (404 when no controller runs)
+- GET  /admin/status[?model=ID]  -> [ReplicaTelemetry], one per replica (of that model)
+- POST /admin/policy  {"table": "1-2:chain4,3+:off", "replica_id": optional, "model": optional}
+  -> [PolicyAck], one per replica of the model (every model's when none is given; a replica
+  other than `replica_id` answers `not_this_replica`)
+- GET  /admin/controller[?model=ID] -> ControllerView (404 when no controller runs)
 - POST /admin/controller {"action": "pause" | "resume"} -> ControllerView
 A call reaches every replica through Ray Serve LLM's `broadcast` (one actor call each). Until
 the app is ready an admin call answers 503 with Retry-After at once (broadcast would wait
@@ -108,6 +109,7 @@ class PolicyRequest(BaseModel):
     table: str = Field(description="policy table, e.g. `1-2:chain4,3-8:chain2,9+:off`")
     version: int | None = Field(default=None, ge=0, description="default: now, in milliseconds")
     replica_id: str | None = Field(default=None, description="one replica only (default: every replica)")
+    model: str | None = Field(default=None, description="the replicas of this model only (default: every model's)")
 
 
 # The request model of each OpenAI route, for request_checks.body_problem.
@@ -286,18 +288,29 @@ class AdaspecIngress(OpenAiIngress):
     def _check_admin(self, request: Request) -> None:
         self._admin.check(request)
 
-    async def _broadcast(self, method: str, *args) -> list:
+    def _check_model(self, model: str | None) -> None:
+        """A 404 in OpenAI's shape for an admin call naming a model this app does not serve."""
+        if model is not None and model not in self._default_serve_handles:
+            raise OpenAIHTTPException(status_code=status.HTTP_404_NOT_FOUND, type="NotFoundError",
+                                      message=f"no model {model!r} in this app; models: "
+                                              f"{sorted(self._default_serve_handles)}")
+
+    async def _broadcast(self, method: str, *args, model: str | None = None) -> list:
+        """One call of `method` on every replica (of `model`, when given)."""
+        self._check_model(model)
         results = []
-        for handle in self._default_serve_handles.values():
+        for model_id, handle in self._default_serve_handles.items():
+            if model is not None and model_id != model:
+                continue
             # broadcast() blocks on ray.get; keep the ingress event loop free.
             results += await asyncio.to_thread(broadcast, handle, method, args)
         return results
 
-    async def admin_status(self, request: Request):
+    async def admin_status(self, request: Request, model: str | None = None):
         self._check_admin(request)
         if (unready := await self._unready_admin()) is not None:
             return unready
-        reports = await self._broadcast("telemetry")
+        reports = await self._broadcast("telemetry", model=model)
         return [r.model_dump(mode="json") for r in reports]
 
     async def admin_policy(self, body: PolicyRequest, request: Request):
@@ -313,7 +326,7 @@ class AdaspecIngress(OpenAiIngress):
             raise OpenAIHTTPException(status_code=400, type="BadRequestError",
                                       message=f"a policy has at most {MAX_POLICY_RULES} rules; this one has "
                                               f"{len(policy.rules)}")
-        acks = await self._broadcast("apply_policy", policy)
+        acks = await self._broadcast("apply_policy", policy, model=body.model)
         if body.replica_id is not None and all(a.status == "not_this_replica" for a in acks):
             raise OpenAIHTTPException(status_code=404, type="NotFoundError",
                                       message=f"no replica {body.replica_id}; replicas: {sorted(a.replica_id for a in acks)}")
@@ -334,12 +347,13 @@ class AdaspecIngress(OpenAiIngress):
                 status_code=status.HTTP_404_NOT_FOUND, type="NotFound",
                 message="no adaspec controller is running; set controller.enabled: true") from None
 
-    async def admin_controller(self, request: Request):
+    async def admin_controller(self, request: Request, model: str | None = None):
         self._check_admin(request)
         if (unready := await self._unready_admin()) is not None:
             return unready
+        self._check_model(model)
         view = await (await self._controller()).view.remote()
-        return _json_response(view)
+        return _json_response(view if model is None else view.of_model(model))
 
     async def admin_controller_action(self, body: ControllerRequest, request: Request):
         self._check_admin(request)

@@ -10,7 +10,7 @@ installed Ray's minor version is not the pinned one.
 from __future__ import annotations
 
 # Public API.
-from ray.serve.llm import LLMConfig, build_llm_deployment
+from ray.serve.llm import LLMConfig, LLMServingArgs, build_llm_deployment
 from ray.serve.llm.deployment import LLMServer
 from ray.serve.llm.ingress import OpenAiIngress, make_fastapi_ingress
 
@@ -40,6 +40,9 @@ from ray.llm._internal.serve.core.configs.openai_api_models import (
 # and the FastAPI app it builds (its middleware: errors, request ids, metrics), so adaspec can
 # add handlers to it; make_fastapi_ingress builds that app itself unless given one.
 from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS, init as new_ingress_app
+# How ray.serve.llm:build_openai_app merges the user's ingress_deployment_config into the
+# ingress's defaults (a user's num_replicas drops the default autoscaling); not exported.
+from ray.llm._internal.serve.core.ingress.builder import maybe_apply_llm_deployment_config_defaults
 # Serve's power-of-two-choices router, the fallback of serve_app/router.py's router (subclassed,
 # not rewritten); ray.serve.request_router exports the base class and its mixins, not it.
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
@@ -56,6 +59,6 @@ PINNED_RAY_MINOR = "2.60"
 __all__ = [
     "ChatCompletionRequest", "ChatCompletionResponse", "ChatCompletionStreamResponse", "CompletionRequest",
     "CompletionResponse", "CompletionStreamResponse", "DEFAULT_ENDPOINTS", "ErrorInfo", "ErrorResponse",
-    "LLMConfig", "LLMEngine", "LLMServer", "OpenAIHTTPException", "OpenAiIngress", "PINNED_RAY_MINOR", "PowerOfTwoChoicesRequestRouter",
-    "VLLMEngine", "broadcast", "serve_client", "build_llm_deployment", "make_fastapi_ingress", "new_ingress_app", "to_model_metadata",
+    "LLMConfig", "LLMEngine", "LLMServingArgs", "LLMServer", "OpenAIHTTPException", "OpenAiIngress", "PINNED_RAY_MINOR", "PowerOfTwoChoicesRequestRouter",
+    "VLLMEngine", "broadcast", "serve_client", "build_llm_deployment", "make_fastapi_ingress", "maybe_apply_llm_deployment_config_defaults", "new_ingress_app", "to_model_metadata",
 ]

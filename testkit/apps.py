@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import copy
 import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from controller.view import ControllerView
 from serve_app import admin_client
@@ -65,9 +67,9 @@ def app_on_cluster(cluster: LoopbackCluster, config: Path, url: str, workdir: Pa
 @contextlib.contextmanager
 def app_in_own_cluster(config: str, port: int, workdir: Path, label: str, model: str = MODEL
                        ) -> Iterator[ServeProcess]:
-    """`serve run configs/<config>` in a local Ray cluster of its own (RAY_ADDRESS=local), so it
-    can run beside the default app, with a fresh controller checkpoint; stopped afterwards with
-    every process it started."""
+    """`serve run configs/<config>` (or a config file's path) in a local Ray cluster of its own
+    (RAY_ADDRESS=local), so it can run beside the default app, with a fresh controller
+    checkpoint; stopped afterwards with every process it started."""
     if port_in_use(port):
         pytest.fail(f"port {port} is in use; stop the other server first")
     log = workdir / "serve.log"
@@ -79,6 +81,32 @@ def app_in_own_cluster(config: str, port: int, workdir: Path, label: str, model:
     proc.stop()
     left = session_processes(proc.proc.pid)
     assert not left, f"processes of `serve run` left behind: {left}"
+
+
+RAY_SERVE_LLM_PREFIX = "/ray"  # where both_ways puts Ray Serve LLM's own app
+
+
+def both_ways(config: Path) -> dict:
+    """A Serve config whose one application is in Ray Serve LLM's shape
+    (`import_path: serve_app:build_openai_app`), twice: as written (adaspec), and under Ray
+    Serve LLM's own builder at RAY_SERVE_LLM_PREFIX with the same args less the `adaspec:` block.
+    Embedded model names become their folders in both, the one change Ray's builder needs (it
+    passes them to vLLM, which knows no embedded names)."""
+    from prepare.models import resolve_model
+
+    doc = yaml.safe_load(config.read_text())
+    (app,) = doc["applications"]
+    for llm in app["args"]["llm_configs"]:
+        loading = llm["model_loading_config"]
+        loading["model_source"] = resolve_model(loading["model_source"])
+        spec = llm.get("engine_kwargs", {}).get("speculative_config") or {}
+        if spec.get("model"):
+            spec["model"] = resolve_model(spec["model"])
+    ray_args = {key: value for key, value in copy.deepcopy(app["args"]).items() if key != "adaspec"}
+    ray_app = {**app, "name": "ray-serve-llm", "route_prefix": RAY_SERVE_LLM_PREFIX,
+               "import_path": "ray.serve.llm:build_openai_app", "args": ray_args}
+    doc["applications"] = [app, ray_app]
+    return doc
 
 
 def check_replicas_on_own_nodes_serve_and_get_policies(url: str, replicas: int = 2) -> ControllerView:

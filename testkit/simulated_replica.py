@@ -23,8 +23,8 @@ def synthetic_step_time(batch, tokens, passes, context, prefill):
 class SimulatedReplica:
     """Steps of a fixed batch under the policy it is given, with i.i.d. acceptance alpha."""
 
-    def __init__(self, replica_id: str, alpha: float, seed: int = 0):
-        self.replica_id, self.alpha = replica_id, alpha
+    def __init__(self, replica_id: str, alpha: float, seed: int = 0, model_id: str = "m"):
+        self.replica_id, self.alpha, self.model_id = replica_id, alpha, model_id
         self.slowdown = 1.0  # its steps take this many times the synthetic step time (a busy machine)
         self.policy = SpecPolicy.parse("chain2")
         self.rng = np.random.default_rng(seed)
@@ -48,7 +48,7 @@ class SimulatedReplica:
                 drafted_per_pos=drafted, accepted_per_pos=accepted))
             k_prev = cfg.depth
         return ReplicaTelemetry(
-            replica_id=self.replica_id, model_id="m", info=INFO, window_start=start,
+            replica_id=self.replica_id, model_id=self.model_id, info=INFO, window_start=start,
             window_end=start + seconds, arrivals=arrivals, finished=arrivals, queue_length=0,
             running=batch, policy=self.policy, steps=steps)
 

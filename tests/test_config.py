@@ -41,6 +41,7 @@ def no_local_ray_left():
     ({"speculation": {"method": "draft_model"}}, "speculation"),
     ({"max_num_seq": 4}, "max_num_seq"),
     ({"accelerator": "tpu"}, "accelerator"),
+    ({"accelerator_type": "A10G"}, "accelerator_type: a GPU type"),  # on cpu
     ({"engine": "native", "tensor_parallel_size": 2}, "tensor_parallel_size"),
     ({"controller": {"period_s": 0}}, "controller.period_s"),
     ({"speculation": {"policy": "1-2:chain4,3+:auto"}}, "speculation.policy"),  # budgets: native only

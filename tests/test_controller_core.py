@@ -190,6 +190,19 @@ def test_latency_is_fitted_per_config_from_finished_requests():
     restored.load_state(json_round_trip(core))
     assert restored.view(now=t).replicas[0].latency_fits == view.latency_fits
 
+def test_the_view_of_one_model_holds_its_deployment_and_replicas_only():
+    """`adaspec status --model`: an app with several models has one deployment each."""
+    core = ControllerCore(ControllerConfig(enabled=True))
+    a, b = SimulatedReplica("a", 0.5, model_id="small"), SimulatedReplica("b", 0.5, seed=1, model_id="large")
+    core.report(a.telemetry(0.0, 1.0, 1, 1), now=1.0)
+    core.report(b.telemetry(0.0, 1.0, 1, 1), now=1.0)
+    view = core.view(now=1.0)
+    assert sorted(d.model_id for d in view.deployments) == ["large", "small"]
+    small = view.of_model("small")
+    assert [r.replica_id for r in small.replicas] == ["a"] and [d.model_id for d in small.deployments] == ["small"]
+    assert view.of_model("none").replicas == [] and view.of_model("none").deployments == []
+
+
 def test_view_with_unbounded_values_survives_json():
     """A latency fit that never saturates has saturation_rate inf, which JSON carries as null:
     `adaspec status` reads the admin route's JSON back into a ControllerView."""

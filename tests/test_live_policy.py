@@ -190,16 +190,20 @@ def test_greedy_output_is_identical_under_every_policy(client):
 def test_cli_policy_set_and_status(client):
     run = lambda *args: subprocess.run([ADASPEC, *args], capture_output=True, text=True, timeout=120)
     table = "1-2:chain4,3-8:chain2,9+:off"
-    res = run("policy", "set", "--url", URL, "--table", table)
+    res = run("policy", "set", "--url", URL, "--table", table, "--model", MODEL)
     assert res.returncode == 0, res.stderr
     assert "applied" in res.stdout and table in res.stdout
     complete(client, REPETITIVE, max_tokens=24)
 
-    res = run("status", "--url", URL, "--json")
+    res = run("status", "--url", URL, "--json", "--model", MODEL)
     assert res.returncode == 0, res.stderr
     (report,) = json.loads(res.stdout)["replicas"]
     assert str(SpecPolicy.model_validate(report["policy"])) == table
     assert report["info"]["capabilities"]["max_k"] == 4 and report["steps"]
+    # A model the app does not serve: the admin routes' 404, named.
+    for command in (("status",), ("policy", "set", "--table", "off")):
+        res = run(*command, "--url", URL, "--model", "no-such-model")
+        assert res.returncode == 2 and "HTTP 404: no model 'no-such-model' in this app" in res.stderr, res.stderr
 
     res = run("status", "--url", URL)
     assert res.returncode == 0 and table in res.stdout and "acceptance per position" in res.stdout
