@@ -65,16 +65,18 @@ def app_on_cluster(cluster: LoopbackCluster, config: Path, url: str, workdir: Pa
 
 
 @contextlib.contextmanager
-def app_in_own_cluster(config: str, port: int, workdir: Path, label: str, model: str = MODEL
-                       ) -> Iterator[ServeProcess]:
+def app_in_own_cluster(config: str, port: int, workdir: Path, label: str, model: str = MODEL,
+                       env: dict[str, str] | None = None, api_key: str | None = None) -> Iterator[ServeProcess]:
     """`serve run configs/<config>` (or a config file's path) in a local Ray cluster of its own
     (RAY_ADDRESS=local), so it can run beside the default app, with a fresh controller
-    checkpoint; stopped afterwards with every process it started."""
+    checkpoint; stopped afterwards with every process it started. `env`: more environment of
+    `serve run` (its Ray cluster's processes inherit it); `api_key`: the OpenAI routes' key."""
     if port_in_use(port):
         pytest.fail(f"port {port} is in use; stop the other server first")
     log = workdir / "serve.log"
     proc = ServeProcess(REPO / "configs" / config, f"http://127.0.0.1:{port}", log,
-                        env={"RAY_ADDRESS": "local", "ADASPEC_CONTROLLER_DIR": str(workdir / "controller")})
+                        env={"RAY_ADDRESS": "local", "ADASPEC_CONTROLLER_DIR": str(workdir / "controller"),
+                             **(env or {})}, api_key=api_key)
     ready_s = proc.start_ready(model)
     print(f"\n[{label}] ready {ready_s:.0f} s after `serve run` (log: {log})")
     yield proc

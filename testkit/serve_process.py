@@ -72,9 +72,11 @@ class StartupProbe:
 
 class ServeProcess:
     def __init__(self, config: Path, url: str, log_path: Path, command: list[str] | None = None,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, api_key: str | None = None):
         self.config = config
         self.extra_env = env or {}
+        # The OpenAI routes' key, for an app that sets api_key(_env): the readiness completion sends it.
+        self.api_key = api_key
         self.url = url
         self.log_path = log_path
         bindir = Path(sys.executable).parent
@@ -114,7 +116,8 @@ class ServeProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"`serve run` exited with {self.proc.returncode}:\n{self.log_tail()}")
             health, admin = self._probe("get", f"{base}/health"), self._probe("get", f"{base}/admin/status")
-            completion = self._probe("post", f"{base}/v1/completions", json=body)
+            key = {"headers": {"Authorization": f"Bearer {self.api_key}"}} if self.api_key else {}
+            completion = self._probe("post", f"{base}/v1/completions", json=body, **key)
             self.startup.append(StartupProbe(time.monotonic() - start, health, admin, completion))
             if completion[0] == 200:
                 # Pin this server's Ray session: other Ray instances may start later.

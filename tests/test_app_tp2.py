@@ -17,12 +17,15 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+import yaml
+from openai import AuthenticationError, OpenAI
 
 from prepare.models import resolve_model, tokenizer_folder
 from testkit.apps import app_in_own_cluster
 from testkit.clients import complete, drafted_depth, replica_status, replica_steps, set_controller
 from testkit.metrics import check_acceptance_agrees_with_vllm
 from testkit.prompts import PROMPTS, REPETITIVE
+from testkit.serve_process import REPO
 from testkit.waits import wait_until
 
 pytestmark = pytest.mark.slow
@@ -33,16 +36,28 @@ MODEL = "smollm2-135m-instruct-draft"
 ADASPEC = str(Path(sys.executable).parent / "adaspec")
 
 
+# The OpenAI routes of this server take an API key, as a GPU deployment's do: the config is
+# served with `api_key_env` naming a variable set in `serve run`'s environment (on Kubernetes,
+# from a Secret), and every client below sends the key (issue 52, item 3).
+API_KEY_ENV = "ADASPEC_TEST_API_KEY"
+API_KEY = "tp2-test-key"
+
+
 @pytest.fixture(scope="module")
 def tp_server(tmp_path_factory):
-    with app_in_own_cluster("app-tp2-cpu.yaml", PORT, tmp_path_factory.mktemp("serve-tp2"), "tp2 server",
-                            model=MODEL) as proc:
+    workdir = tmp_path_factory.mktemp("serve-tp2")
+    doc = yaml.safe_load((REPO / "configs" / "app-tp2-cpu.yaml").read_text())
+    doc["applications"][0]["args"]["api_key_env"] = API_KEY_ENV
+    config = workdir / "app-tp2-cpu-with-key.yaml"
+    config.write_text(yaml.safe_dump(doc, sort_keys=False))
+    with app_in_own_cluster(str(config), PORT, workdir, "tp2 server", model=MODEL, env={API_KEY_ENV: API_KEY},
+                            api_key=API_KEY) as proc:
         yield proc
 
 
 @pytest.fixture
 def client(tp_server):
-    with httpx.Client(base_url=URL, timeout=300) as c:
+    with httpx.Client(base_url=URL, timeout=300, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
         yield c
 
 
@@ -57,6 +72,21 @@ def _rank_processes() -> list[str]:
         if "VLLM::Worker_TP" in text:
             names.append(text.split()[0])
     return sorted(names)
+
+
+def test_the_openai_routes_need_the_api_key_and_the_rest_do_not(tp_server):
+    """The key from the variable api_key_env names, where the ingress runs; OpenAI's client sends
+    it as vLLM's --api-key expects. /health and the admin routes (their own token) stay open."""
+    assert OpenAI(base_url=f"{URL}/v1", api_key=API_KEY).models.list().data[0].id == MODEL
+    for key in ("wrong-key", "unused"):
+        with pytest.raises(AuthenticationError) as err:
+            OpenAI(base_url=f"{URL}/v1", api_key=key, max_retries=0).completions.create(
+                model=MODEL, prompt="Hi", max_tokens=1)
+        assert err.value.status_code == 401 and err.value.type == "AuthenticationError", err.value.body
+    no_key = httpx.post(f"{URL}/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1})
+    assert no_key.status_code == 401 and no_key.headers["www-authenticate"] == 'Bearer realm="adaspec"'
+    assert httpx.get(f"{URL}/health").status_code == 200
+    assert httpx.get(f"{URL}/admin/status").status_code == 200
 
 
 def test_two_ranks_serve_the_same_greedy_tokens_as_transformers(client):
