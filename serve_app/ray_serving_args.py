@@ -127,10 +127,10 @@ class ServedModel:
 
 @dataclasses.dataclass(frozen=True)
 class OpenAiApp:
-    """What `serve_app:build_openai_app` builds: the models, and the app-wide settings."""
+    """What `serve_app:build_openai_app` builds: the models (each carries the adaspec block's
+    app-wide settings) and the ingress's deployment options."""
 
     models: list[ServedModel]
-    adaspec: AdaspecBlock
     ingress_deployment_config: dict[str, Any]
 
 
@@ -183,7 +183,7 @@ def _deployment(deployment: dict[str, Any]) -> dict[str, Any]:
     out = {key: deployment[key] for key in DEPLOYMENT_FIELDS if key in deployment}
     auto = deployment.get("autoscaling_config")
     if auto is not None:
-        auto = auto if isinstance(auto, dict) else auto.model_dump(exclude_unset=True)
+        auto = _as_dict(auto)
         out["autoscaling"] = {key: auto[key] for key in AUTOSCALING_FIELDS if key in auto}
     if "request_router_config" in deployment:
         raise RayArgsError("deployment_config.request_router_config: adaspec routes requests itself (the "
@@ -284,7 +284,7 @@ def read_serving_args(args: dict[str, Any]) -> OpenAiApp:
             models.append(ServedModel(app=app_config(user, block), user=user))
         except RayArgsError as e:
             raise RayArgsError(f"llm_configs[{i}].{e}") from None
-    return OpenAiApp(models=models, adaspec=block, ingress_deployment_config=serving.ingress_deployment_config)
+    return OpenAiApp(models=models, ingress_deployment_config=serving.ingress_deployment_config)
 
 
 def merge_user_fields(kwargs: dict[str, Any], user: LLMConfig) -> dict[str, Any]:

@@ -173,7 +173,7 @@ def test_the_adaspec_block_sets_what_ray_has_no_place_for():
      "llm_configs[0].engine_kwargs.speculative_config.num_speculative_tokens_per_batch_size: "),
     (with_engine_kwargs(max_model_len=8), "llm_configs[0].engine_kwargs.max_model_len: "),
     (with_engine_kwargs(scheduler_cls="my.Scheduler"), "llm_configs[0].engine_kwargs.scheduler_cls: "),
-    ({**with_engine_kwargs(disable_log_stats=True)}, None),  # Ray's model: its engine metrics need the stats
+    (with_engine_kwargs(disable_log_stats=True), None),  # Ray's model: its engine metrics need the stats
     (with_llm(log_engine_metrics=False, engine_kwargs={"disable_log_stats": True}),
      "llm_configs[0].engine_kwargs.disable_log_stats: "),
     (with_engine_kwargs(not_an_arg=1), "llm_configs[0].engine_kwargs.not_an_arg: not a vLLM engine argument"),
