@@ -129,6 +129,14 @@ class EngineCapabilities(BaseModel):
     draft_method: str = Field(description="ngram | draft_model | ...")
     max_tree_nodes: int | None = Field(default=None, ge=1, description="most draft nodes per sequence per step "
                                                                       "the engine holds (trees); None: not said")
+    accelerator: str = Field(default="cpu", description="what the engine runs on: 'cpu' or the GPU's name, with "
+                             "' xN' for N devices (tensor parallel); step times are this hardware's")
+
+    def deployment_key(self, model_id: str) -> str:
+        """What the controller keeps one step-time model and one pooled acceptance for: a
+        model on one engine and accelerator (a native and a vLLM replica of one model, or
+        the same model on two kinds of GPU, step at different speeds)."""
+        return f"{model_id} ({self.engine}, {self.accelerator})"
 
 
 class ReplicaInfo(BaseModel):

@@ -19,6 +19,7 @@ from adaspec.telemetry import ControllerReply, ReplicaTelemetry
 from controller.checkpoint_file import CHECKPOINT_FILE, checkpoint_dir, resume, write_checkpoint
 from controller.config import ControllerConfig
 from controller.core import ControllerCore
+from controller.metrics import ControllerMetrics
 from controller.view import ControllerView
 
 CONTROLLER_NAME = "adaspec-controller"
@@ -43,6 +44,7 @@ class ControllerActor:
         except Exception:  # a checkpoint must not keep the controller down, whatever it holds
             self.core = ControllerCore(config)
             logger.exception("adaspec controller: cannot resume from %s; starting fresh", self.path)
+        self.metrics = ControllerMetrics(self.core)
         self._writing = asyncio.Lock()  # one checkpoint write at a time, in order
         self._upkeep: asyncio.Task | None = None
         self._watch: asyncio.Task | None = None
@@ -67,7 +69,9 @@ class ControllerActor:
                         if now - asked.get(rid, 0.0) >= self.config.period_s}
                 if late:
                     asked.update(dict.fromkeys(late, now))
-                    for rid in self.core.drop(await asyncio.to_thread(_dead, late), "its actor died"):
+                    dead = self.core.drop(await asyncio.to_thread(_dead, late), "its actor died")
+                    self.metrics.forget(dead)
+                    for rid in dead:
                         logger.info("adaspec controller: replica %s dropped (its actor died)", rid)
                 for rid in [rid for rid in asked if rid not in self.core.replicas]:
                     del asked[rid]
@@ -82,7 +86,9 @@ class ControllerActor:
             periods += 1
             try:
                 now = time.time()
-                for rid in self.core.drop_stale(now):
+                silent = self.core.drop_stale(now)
+                self.metrics.forget(silent)
+                for rid in silent:
                     logger.info("adaspec controller: replica %s dropped (silent)", rid)
                 if now - last_refit >= self.config.refit_every_s:
                     last_refit = now
@@ -98,7 +104,14 @@ class ControllerActor:
     async def report(self, telemetry: ReplicaTelemetry) -> ControllerReply:
         """A replica's telemetry in, a new policy (or none, or a request for its info) out."""
         self._ensure_upkeep()
-        return self.core.report(telemetry)
+        decisions = self.core.decisions
+        reply = self.core.report(telemetry)
+        try:
+            self.metrics.observe(self.core, telemetry.replica_id, self.core.decisions - decisions,
+                                 reply.policy is not None)
+        except Exception:  # metrics never cost a replica its policy
+            logger.exception("adaspec controller: exporting metrics failed")
+        return reply
 
     async def view(self) -> ControllerView:
         self._ensure_upkeep()

@@ -31,7 +31,8 @@ from adaspec.telemetry import EngineCapabilities, RequestRecord, StepRecord
 from controller.acceptance import MAX_DEPTH, MAX_RANK, AcceptanceModel
 from controller.step_time import FEATURES, XGB_PARAMS, FitReport, StepTimeModel, StepTimeScale
 
-FORMAT_VERSION = 1
+# 2: deployments keyed by model, engine and accelerator (EngineCapabilities.deployment_key), not model id
+FORMAT_VERSION = 2
 
 # JSON has no inf or NaN, and pydantic writes them as null, which would make the whole file
 # unreadable; written as the constants Infinity and NaN, they read back.
@@ -182,6 +183,7 @@ class DeploymentState(BaseModel):
     model_version: int  # fits installed so far
     samples_at_fit: int  # samples the step-time model had at its last fit
     requests: list[ConfigRequests]
+    model_id: str = ""
 
 
 class ControllerCheckpoint(BaseModel):
@@ -189,16 +191,17 @@ class ControllerCheckpoint(BaseModel):
 
     model_config = _STATE
 
-    format_version: Literal[1] = FORMAT_VERSION
+    format_version: Literal[2] = FORMAT_VERSION
     replicas: dict[str, ReplicaState]  # replica id -> state
-    deployments: dict[str, DeploymentState]  # model id -> state
+    deployments: dict[str, DeploymentState]  # deployment key (model, engine, accelerator) -> state
     paused: bool
     decisions: int
     pushed: int  # policies pushed
 
     @model_validator(mode="after")
     def _deployment_per_replica(self) -> ControllerCheckpoint:
-        missing = sorted({r.model_id for r in self.replicas.values()} - self.deployments.keys())
+        missing = sorted({r.capabilities.deployment_key(r.model_id) for r in self.replicas.values()}
+                         - self.deployments.keys())
         if missing:
-            raise ValueError(f"replicas of models with no deployment state: {', '.join(missing)}")
+            raise ValueError(f"replicas of deployments with no state: {', '.join(missing)}")
         return self

@@ -168,10 +168,16 @@ def convert_pickle(data: bytes) -> ControllerCheckpoint:
     for dep in state["deployments"].values():
         _add_missing_fields(dep)
         _add_missing_fields(dep.step_model)
+    # Deployments were keyed by model id then: each goes to the key of its model's replicas
+    # (model, engine, accelerator); one with no replica left has nothing to resume for.
+    deployments = {}
+    for rep in state["replicas"].values():
+        dep = state["deployments"][rep.model_id]
+        dep.model_id = rep.model_id
+        deployments.setdefault(rep.deployment, dep.checkpoint())
     return ControllerCheckpoint(
         replicas={rid: rep.checkpoint() for rid, rep in state["replicas"].items()},
-        deployments={model_id: dep.checkpoint() for model_id, dep in state["deployments"].items()},
-        paused=state["paused"], decisions=state["decisions"], pushed=state["pushed"])
+        deployments=deployments, paused=state["paused"], decisions=state["decisions"], pushed=state["pushed"])
 
 
 def _add_missing_fields(obj) -> None:

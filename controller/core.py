@@ -79,16 +79,18 @@ class ControllerCore:
 
     def observe(self, tel: ReplicaTelemetry, now: float) -> None:
         """Update the replica's state and its deployment's from a report, deciding nothing.
-        A replica new here starts from its deployment's acceptance (a warm start)."""
-        dep = self.deployments.get(tel.model_id)
-        if dep is None:
-            caps = tel.info.capabilities if tel.info else None
-            dep = self.deployments[tel.model_id] = Deployment.first_report(
-                tel.model_id, self._profile_for(tel.model_id, caps), self.config.half_life_s, caps)
+        A replica new here starts from its deployment's acceptance (a warm start). A
+        deployment is a model on one engine and accelerator (EngineCapabilities.deployment_key)."""
         rep = self.replicas.get(tel.replica_id)
+        if rep is None and tel.info is None:
+            raise ValueError(f"replica {tel.replica_id}: first report without `info`")
+        caps = rep.capabilities if rep is not None else tel.info.capabilities
+        key = caps.deployment_key(tel.model_id)
+        dep = self.deployments.get(key)
+        if dep is None:
+            dep = self.deployments[key] = Deployment.first_report(
+                tel.model_id, self._profile_for(tel.model_id, caps), self.config.half_life_s, caps)
         if rep is None:
-            if tel.info is None:
-                raise ValueError(f"replica {tel.replica_id}: first report without `info`")
             rep = self.replicas[tel.replica_id] = Replica.first_report(
                 tel, tel.info, now, dep.acceptance.copy(self.config.half_life_s))
         dt = rep.observe(tel, now)
@@ -100,8 +102,9 @@ class ControllerCore:
         dep.observe(tel, rep.capabilities, dt, now)
 
     def _profile_for(self, model_id: str, caps: EngineCapabilities | None) -> str | None:
-        """The configured profile, else the one shipped for this model and engine."""
-        if self.config.profile_path or not self.config.shipped_profile or caps is None:
+        """The configured profile, else the one shipped for this model and engine, on a CPU
+        (where the shipped ones were measured; elsewhere they would mislead more than help)."""
+        if self.config.profile_path or not self.config.shipped_profile or caps is None or caps.accelerator != "cpu":
             return self.config.profile_path
         path = shipped_profile(model_id, caps.engine)
         return str(path) if path else None
@@ -141,7 +144,7 @@ class ControllerCore:
         """The replica's deployment's cost table, scaled to how fast its steps run now
         (StepTimeScale), and E(c) per config of it: tokens a sequence gains per step on this
         replica."""
-        costs = self._costs(self.deployments[rep.model_id], rep, now).scaled(rep.step_scale.factor)
+        costs = self._costs(self.deployments[rep.deployment], rep, now).scaled(rep.step_scale.factor)
         marginal = rep.acceptance.marginal_rates()
         return costs, np.array([expected_accepted_length(c, marginal) for c in costs.configs])
 
@@ -155,7 +158,7 @@ class ControllerCore:
 
     def _decide(self, replica_id: str, costs: CostTable, expected: np.ndarray, now: float) -> Decision:
         rep = self.replicas[replica_id]
-        dep = self.deployments[rep.model_id]
+        dep = self.deployments[rep.deployment]
         models = search_policy(
             costs, expected, rate=rep.rate or 0.0, output_tokens=rep.output_tokens or 128.0,
             objective=self.objective, current=rep.policy_in_force, hysteresis=self.config.hysteresis,
@@ -266,18 +269,17 @@ class ControllerCore:
 
     # ------------------------------------------------------------------ upkeep
     def refit_jobs(self) -> dict[str, StepTimeModel]:
-        """Copies of the step-time models that gained 10% new samples since their last fit;
-        fit them anywhere (a thread), then hand them to install_fit."""
+        """Copies of the step-time models that gained 10% new samples since their last fit, by
+        deployment key; fit them anywhere (a thread), then hand them to install_fit."""
         jobs = {}
-        for model_id, dep in self.deployments.items():
+        for key, dep in self.deployments.items():
             n = len(dep.step_model.y)
             if n >= 8 and n >= 1.1 * dep.samples_at_fit:
-                jobs[model_id] = dataclasses.replace(dep.step_model, x=list(dep.step_model.x),
-                                                     y=list(dep.step_model.y))
+                jobs[key] = dataclasses.replace(dep.step_model, x=list(dep.step_model.x), y=list(dep.step_model.y))
         return jobs
 
-    def install_fit(self, model_id: str, fitted: StepTimeModel) -> None:
-        dep = self.deployments[model_id]
+    def install_fit(self, key: str, fitted: StepTimeModel) -> None:
+        dep = self.deployments[key]
         dep.step_model.coef, dep.step_model.booster = fitted.coef, fitted.booster
         dep.step_model.report = fitted.report
         dep.samples_at_fit = len(fitted.y)
@@ -286,9 +288,9 @@ class ControllerCore:
     def refit(self) -> dict[str, FitReport]:
         """Refit in place (the simulator; the actor fits the jobs in a thread)."""
         reports = {}
-        for model_id, job in self.refit_jobs().items():
-            reports[model_id] = job.fit()
-            self.install_fit(model_id, job)
+        for key, job in self.refit_jobs().items():
+            reports[key] = job.fit()
+            self.install_fit(key, job)
         return reports
 
     def drop_stale(self, now: float) -> list[str]:
@@ -313,11 +315,11 @@ class ControllerCore:
 
     def view(self, now: float | None = None) -> ControllerView:
         now = time.time() if now is None else now
-        fits = {model_id: dep.latency_fits() for model_id, dep in self.deployments.items()}
-        views = [replica_view(rid, rep, self.deployments[rep.model_id], fits[rep.model_id], now)
+        fits = {key: dep.latency_fits() for key, dep in self.deployments.items()}
+        views = [replica_view(rid, rep, self.deployments[rep.deployment], fits[rep.deployment], now)
                  for rid, rep in self.replicas.items()]
-        deployments = [deployment_view(model_id, dep, [r for r in self.replicas.values() if r.model_id == model_id])
-                       for model_id, dep in self.deployments.items()]
+        deployments = [deployment_view(key, dep, [r for r in self.replicas.values() if r.deployment == key])
+                       for key, dep in self.deployments.items()]
         return ControllerView(
             paused=self.paused, restored_from_checkpoint=self.restored, decisions=self.decisions,
             policies_pushed=self.pushed, replicas=views, deployments=deployments, dropped=list(self.dropped))
@@ -328,13 +330,13 @@ class ControllerCore:
         lists are copies, so it can be written out in a thread while reports go on."""
         return ControllerCheckpoint(
             replicas={rid: rep.checkpoint() for rid, rep in self.replicas.items()},
-            deployments={model_id: dep.checkpoint() for model_id, dep in self.deployments.items()},
+            deployments={key: dep.checkpoint() for key, dep in self.deployments.items()},
             paused=self.paused, decisions=self.decisions, pushed=self.pushed)
 
     def load_state(self, ckpt: ControllerCheckpoint) -> None:
         """Resume from a checkpoint: its models, load estimates and policies in force."""
         replicas = {rid: Replica.restore(r, self.config.half_life_s) for rid, r in ckpt.replicas.items()}
-        deployments = {model_id: Deployment.restore(d, self.config.half_life_s) for model_id, d in ckpt.deployments.items()}
+        deployments = {key: Deployment.restore(d, self.config.half_life_s) for key, d in ckpt.deployments.items()}
         self.replicas, self.deployments = replicas, deployments  # all or nothing
         self.paused, self.decisions, self.pushed = ckpt.paused, ckpt.decisions, ckpt.pushed
         self.restored = True

@@ -510,8 +510,9 @@ def engine_from_checkpoint(path: str, max_batch: int | None = None, max_k: int |
     core.load_state(read_checkpoint(Path(path)))
     if not core.deployments:
         raise CheckpointError(f"{path}: the checkpoint holds no fitted model yet")
-    model_id, dep = next(iter(core.deployments.items()))
-    reps = [r for r in core.replicas.values() if r.model_id == model_id]
+    key, dep = next(iter(core.deployments.items()))
+    model_id = dep.model_id
+    reps = [r for r in core.replicas.values() if r.deployment == key]
     caps = reps[0].capabilities if reps else None
     max_batch = max_batch or (caps.max_batch_size if caps else 64)
     max_k = max_k or (caps.max_k if caps else 4)

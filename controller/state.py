@@ -146,6 +146,11 @@ class Replica:
             latency_count=self.latency_count, recent_steps=self.recent_steps, last_probe=self.last_probe,
             step_scale=dataclasses.replace(self.step_scale))
 
+    @property
+    def deployment(self) -> str:
+        """Its deployment's key in the controller: model, engine, accelerator."""
+        return self.capabilities.deployment_key(self.model_id)
+
     @classmethod
     def restore(cls, state: ReplicaState, half_life_s: float) -> Replica:
         """`half_life_s`: the acceptance model's, from the controller's config."""
@@ -177,6 +182,7 @@ class Deployment:
     costs_version: int = -1
     samples_at_fit: int = 0
     requests: dict[SpecConfig, deque[RequestRecord]] = field(default_factory=dict)  # config -> recent finished
+    model_id: str = ""  # the model it serves ("" in checkpoints of before format_version 2)
 
     @classmethod
     def first_report(cls, model_id: str, profile_path: str | None, half_life_s: float,
@@ -185,7 +191,7 @@ class Deployment:
         this model, if `profile_path` names a profile that has some, and those steps count
         as seen (the (bucket, config) pairs they measured need no exploring; `caps` gives the
         buckets). `half_life_s`: the pooled acceptance model's."""
-        dep = cls(StepTimeModel(), AcceptanceModel(half_life_s=half_life_s))
+        dep = cls(StepTimeModel(), AcceptanceModel(half_life_s=half_life_s), model_id=model_id)
         if profile_path:
             try:
                 steps = read_profile(profile_path, model_id)[1]
@@ -231,7 +237,8 @@ class Deployment:
             context_per_seq=self.context_per_seq, prefill_per_step=self.prefill_per_step,
             proposal_rate=self.proposal_rate, model_version=self.model_version,
             samples_at_fit=self.samples_at_fit,
-            requests=[ConfigRequests(config=c, records=list(rs)) for c, rs in self.requests.items()])
+            requests=[ConfigRequests(config=c, records=list(rs)) for c, rs in self.requests.items()],
+            model_id=self.model_id)
 
     @classmethod
     def restore(cls, state: DeploymentState, half_life_s: float) -> Deployment:
@@ -243,4 +250,5 @@ class Deployment:
             context_per_seq=state.context_per_seq, prefill_per_step=state.prefill_per_step,
             proposal_rate=state.proposal_rate, model_version=state.model_version,
             samples_at_fit=state.samples_at_fit,
-            requests={r.config: deque(r.records, maxlen=LATENCY_WINDOW) for r in state.requests})
+            requests={r.config: deque(r.records, maxlen=LATENCY_WINDOW) for r in state.requests},
+            model_id=state.model_id)

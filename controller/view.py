@@ -76,6 +76,7 @@ class DeploymentView(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model_id: str
+    key: str = ""  # the controller's key of it: model, engine, accelerator (EngineCapabilities.deployment_key)
     replicas: int
     nodes: int  # distinct Ray nodes its replicas run on
     arrival_rate: float  # requests/s, all replicas
@@ -117,10 +118,10 @@ class ControllerView(BaseModel):
                                        "deployments": [d for d in self.deployments if d.model_id == model_id]})
 
 
-def deployment_view(model_id: str, dep: Deployment, replicas: list[Replica]) -> DeploymentView:
+def deployment_view(key: str, dep: Deployment, replicas: list[Replica]) -> DeploymentView:
     max_k = max((r.capabilities.max_k for r in replicas), default=0)
     return DeploymentView(
-        model_id=model_id, replicas=len(replicas), nodes=len({r.node_id for r in replicas}),
+        model_id=dep.model_id, key=key, replicas=len(replicas), nodes=len({r.node_id for r in replicas}),
         arrival_rate=sum(r.rate or 0.0 for r in replicas), batch=sum(r.batch or 0.0 for r in replicas),
         conditional_acceptance=[round(float(p), 4) for p in dep.acceptance.conditional_rates()[:max_k, 0]],
         step_time_model=dep.step_model.report)
@@ -141,14 +142,21 @@ def config_latencies(fits: dict[SpecConfig, LatencyFit], output_tokens: float, r
     return out
 
 
+def recent_step_seconds(rep: Replica, dep: Deployment) -> tuple[float | None, float | None]:
+    """A replica's mean step time over its recent steps, measured and as its deployment's
+    step-time model predicts it (times the replica's step_scale); None without steps."""
+    if not rep.recent_steps:
+        return None, None
+    measured = float(np.mean([s.duration_s for s in rep.recent_steps]))
+    predicted = rep.step_scale.factor * float(np.mean(dep.step_model.predict(
+        [step_features(s) for s in rep.recent_steps])))
+    return measured, predicted
+
+
 def replica_view(replica_id: str, rep: Replica, dep: Deployment, fits: dict[SpecConfig, LatencyFit],
                  now: float) -> ReplicaView:
     """`fits`: the deployment's latency fits, made once for all its replicas."""
-    measured = predicted = None
-    if rep.recent_steps:
-        measured = float(np.mean([s.duration_s for s in rep.recent_steps]))
-        predicted = rep.step_scale.factor * float(np.mean(dep.step_model.predict(
-            [step_features(s) for s in rep.recent_steps])))
+    measured, predicted = recent_step_seconds(rep, dep)
     d = rep.decision
     rates = rep.acceptance.conditional_rates()[: rep.capabilities.max_k, 0]
     # What the controller priced for this deployment (trees follow its measured acceptance).

@@ -179,7 +179,12 @@ class NativeEngine:
                                   max_k=self.max_depth, supports_trees=True,
                                   supports_budgets=self.drafter is not None,
                                   draft_method=self.drafter.name if self.drafter else "none",
-                                  max_tree_nodes=self.config.max_tree_nodes)
+                                  max_tree_nodes=self.config.max_tree_nodes,
+                                  accelerator=self.accelerator())
+
+    def accelerator(self) -> str:
+        """The device's name: the GPU's, or 'cpu'."""
+        return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else str(self.device)
 
     def compile_decode(self, autotune: bool = False, cpp_wrapper: bool = True) -> float:
         """Compile the target's one-token passes and batch-1 verify passes
@@ -269,9 +274,8 @@ class NativeEngine:
         attention paths and the kernels' sources, whether the one-token pass is compiled, and
         the calibration itself."""
         model = self.model
-        device = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else str(self.device)
         return "|".join([
-            machine_cache.machine_key(), device, machine_cache.model_key(model.args, model.lm_head.weight.dtype),
+            machine_cache.machine_key(), self.accelerator(), machine_cache.model_key(model.args, model.lm_head.weight.dtype),
             f"rows={self.config.max_batch_size},positions={self.config.max_seq_len},tree={self.config.max_tree_nodes}",
             f"matmuls={model.linear_choice and model.linear_choice.paths()},kernel={model.uses_decode_kernel()},compiled={model.compiled_decode is not None}",
             f"kernel_sources={cpu_kernels.sources_digest()}",

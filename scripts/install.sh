@@ -40,3 +40,10 @@ fi
 "$VENV/bin/python" -c "
 from native_engine import cpu_kernels
 print('[install] CPU kernels:', 'ready' if cpu_kernels.load() else 'not available here (torch\'s kernels instead)')"
+
+# Prometheus for the dashboard test (tests/test_dashboard.py scrapes a running app with it):
+# Debian's package, unpacked into the venv (no root service, no apt install), when the
+# machine has apt. The binary is self-contained. Without it that test skips and says why.
+if [ ! -x "$VENV/bin/prometheus" ] && ! command -v prometheus >/dev/null && command -v apt-get >/dev/null; then
+  scripts/fetch_prometheus.sh "$VENV" || echo "[install] Prometheus not installed (the dashboard test will skip)"
+fi

@@ -77,7 +77,7 @@ def format_controller(view: ControllerView | None) -> str:
         fit = d.step_time_model
         mape = f"{100 * fit.holdout_mape:.1f}%" if fit.holdout_mape is not None else "-"
         lines += [
-            f"  deployment {d.model_id}: {d.replicas} replicas on {d.nodes} nodes, rate {d.arrival_rate:.2f} req/s, "
+            f"  deployment {d.key or d.model_id}: {d.replicas} replicas on {d.nodes} nodes, rate {d.arrival_rate:.2f} req/s, "
             f"batch {d.batch:.1f} in total",
             f"    pooled acceptance per position: {' '.join(f'{p:.2f}' for p in d.conditional_acceptance) or '-'}",
             f"    step-time model: {fit.kind}, {fit.samples} steps, held-out error {mape}",

@@ -28,6 +28,7 @@ from adaspec.policy import PolicyAck, SpecPolicy
 from adaspec.telemetry import EngineCapabilities
 from native_engine.requests import RequestOutput, SamplingParams
 from serve_app import native_openai as oai
+from serve_app.metrics import NativeEngineMetrics
 from serve_app.native_loop import EngineLoop
 from serve_app.ray_llm import LLMEngine
 
@@ -98,6 +99,7 @@ class AdaspecNativeEngine(LLMEngine):
         self.model_id = llm_config.model_id
         self._loop: EngineLoop | None = None
         self._caps: EngineCapabilities | None = None
+        self._metrics: NativeEngineMetrics | None = None
         self._ids = itertools.count()
 
     async def start(self) -> None:
@@ -105,6 +107,7 @@ class AdaspecNativeEngine(LLMEngine):
 
         engine = await asyncio.to_thread(build_engine, self.settings)  # seconds of weight loading
         self._caps = engine.capabilities()
+        self._metrics = NativeEngineMetrics(self.model_id, self._caps.max_k)
         # The HF tokenizer for chat templates and prompts; the engine's own (same
         # tokenizer.json) for output text and stop strings.
         self.tokenizer = AutoTokenizer.from_pretrained(self.settings.model_path)
@@ -140,7 +143,10 @@ class AdaspecNativeEngine(LLMEngine):
         return await asyncio.wrap_future(self._loop.call(lambda e: e.apply_policy(policy)))
 
     async def drain_report(self) -> EngineReport:
-        return await asyncio.wrap_future(self._loop.call(lambda e: e.drain()))
+        """The steps since the last drain (every step passes here once: the metrics count it)."""
+        report = await asyncio.wrap_future(self._loop.call(lambda e: e.drain()))
+        self._metrics.observe_report(report)
+        return report
 
     async def check_health(self) -> None:
         if self._loop is None or not self._loop.healthy:
@@ -166,6 +172,7 @@ class AdaspecNativeEngine(LLMEngine):
         except oai.BadRequest as e:
             yield oai.error_response(str(e))
             return
+        arrival = time.monotonic()
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{request.request_id}-{next(self._ids)}"
         try:  # before anything is yielded: a refusal must be the stream's first (and only) item
             inbox = await self._submit(request_id, prompt, params)
@@ -173,7 +180,7 @@ class AdaspecNativeEngine(LLMEngine):
             yield oai.error_response(str(e))
             return
         result = oai.Result(request_id, request.model or self.model_id, int(time.time()), len(prompt))
-        outputs = self._outputs(request_id, inbox)
+        outputs = self._outputs(request_id, inbox, arrival, len(prompt))
         try:
             if request.stream:
                 async for chunk in self._stream(outputs, result, params, chat, request):
@@ -212,10 +219,12 @@ class AdaspecNativeEngine(LLMEngine):
         await asyncio.wrap_future(self._loop.submit(request_id, prompt, params, sink))
         return inbox
 
-    async def _outputs(self, request_id: str, inbox: asyncio.Queue) -> AsyncGenerator[RequestOutput, None]:
+    async def _outputs(self, request_id: str, inbox: asyncio.Queue, arrival: float,
+                       prompt_tokens: int) -> AsyncGenerator[RequestOutput, None]:
         """The request's outputs (several steps' coalesced into the latest) until it
-        finishes. Closing this generator early aborts the request."""
-        finished = False
+        finishes. Closing this generator early aborts the request. A finished request's
+        latencies go to the metrics (`arrival`: monotonic seconds)."""
+        finished, first_token = False, None
         try:
             while not finished:
                 out = await inbox.get()
@@ -224,6 +233,11 @@ class AdaspecNativeEngine(LLMEngine):
                 if isinstance(out, BaseException):
                     raise RuntimeError(f"native engine failed: {out!r}")
                 finished = out.finished
+                if first_token is None and out.num_output_tokens:
+                    first_token = time.monotonic()
+                if finished:
+                    self._metrics.observe_request(arrival, first_token, time.monotonic(), prompt_tokens,
+                                                  out.num_output_tokens)
                 yield out
         finally:
             if not finished:  # the client went away (or the stream was cancelled)

@@ -11,7 +11,7 @@ On top of LLMServer it adds the two control-plane methods the architecture names
 - `apply_policy(SpecPolicy) -> PolicyAck`: in force from the engine's next step;
 - `telemetry(since) -> ReplicaTelemetry`: steps, acceptance, load, policy in force.
 A background task drains the engine's step records every `poll_interval_s` into a bounded
-window and exports them as Prometheus metrics through Ray's metrics API.
+window and exports adaspec's metrics (serve_app.metrics) through Ray's metrics API.
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from adaspec.engine_contract import EngineReport
 from adaspec.policy import PolicyAck, SpecPolicy
 from adaspec.telemetry import (
     ROUTING_RECENT_STEPS, ControllerReply, EngineCapabilities, PolicySpeed, ReplicaInfo, ReplicaTelemetry, RequestRecord,
-    RoutingStats, StepRecord, summarize_acceptance,
+    RoutingStats, StepRecord,
 )
 from controller.config import ControllerConfig
 from ray import serve
-from ray.util import metrics
+from serve_app.metrics import ReplicaMetrics
 from serve_app.ray_llm import LLMServer
 from serve_app.vllm_engine import AdaspecVLLMEngine
 
@@ -61,37 +61,6 @@ class ReplicaSettings(BaseModel):
     poll_interval_s: float = Field(default=0.25, description="engine drain period (seconds)")
 
 
-class _ReplicaMetrics:
-    """Prometheus metrics (through Ray's metrics agent), one series per replica."""
-
-    def __init__(self, replica_id: str, model_id: str):
-        tags = {"replica": replica_id, "model": model_id}
-        keys = tuple(tags)
-        self.k_in_force = metrics.Gauge(
-            "adaspec_spec_k", "speculation depth in force at the current batch size (tokens)", keys)
-        self.acceptance_rate = metrics.Gauge(
-            "adaspec_acceptance_rate", "accepted / drafted tokens over the last poll", keys)
-        self.mean_accepted_length = metrics.Gauge(
-            "adaspec_mean_accepted_length", "tokens per sequence per verify step, bonus included", keys)
-        self.step_time = metrics.Histogram(
-            "adaspec_step_seconds", "engine step duration (seconds)",
-            boundaries=[0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5], tag_keys=keys)
-        self.policy_version = metrics.Gauge("adaspec_policy_version", "policy version in force", keys)
-        for m in (self.k_in_force, self.acceptance_rate, self.mean_accepted_length,
-                  self.step_time, self.policy_version):
-            m.set_default_tags(tags)
-
-    def observe(self, report: EngineReport, batch_now: int) -> None:
-        for step in report.steps:
-            self.step_time.observe(step.duration_s)
-        acc = summarize_acceptance(report.steps)
-        if acc.num_drafts:
-            self.acceptance_rate.set(acc.acceptance_rate)
-            self.mean_accepted_length.set(acc.mean_accepted_length)
-        self.k_in_force.set(report.policy.config_for(max(batch_now, 1)).depth)
-        self.policy_version.set(report.policy.version)
-
-
 class SpecReplica(LLMServer):
     """An LLMServer whose engine speculates under a live policy and reports every step."""
 
@@ -110,11 +79,11 @@ class SpecReplica(LLMServer):
             self._replica_id = serve.get_replica_context().replica_id.unique_id
         except RuntimeError:  # constructed outside Serve (tests)
             self._replica_id = "local"
-        self._metrics = _ReplicaMetrics(self._replica_id, llm_config.model_id)
         context = ray.get_runtime_context()
         self._info = ReplicaInfo(capabilities=await self.engine.capabilities(), node_id=context.get_node_id(),
                                  node_ip=ray.util.get_node_ip_address(), actor_id=context.get_actor_id() or "",
                                  started_at=time.time())
+        self._metrics = ReplicaMetrics(llm_config.model_id, self._info.capabilities.max_batch_size)
         await self._poll_engine()
         loop = asyncio.get_running_loop()
         self._poller = loop.create_task(self._poll_forever())
@@ -189,7 +158,7 @@ class SpecReplica(LLMServer):
                            (self._arrivals, float), (self._finishes, float)):
             while q and time_of(q[0]) < horizon:
                 q.popleft()
-        self._metrics.observe(report, report.running)
+        self._metrics.observe(report)
 
     async def _report_forever(self) -> None:
         """Every control period: telemetry up to the controller, its policy (if any) down.

@@ -13,7 +13,9 @@ router sent there and less those it saw finish there since; its measurements and
 controller's predicted speed under its policy), best first, one replica per rank: Serve
 sends the request to the first that accepts it (below its max_ongoing_requests). When any
 ranked candidate's stats are missing or stale, or none can predict yet, it falls back to
-Serve's own power-of-two choices for that request (the base class).
+Serve's own power-of-two choices for that request (the base class). Each choice is counted
+by mode (`ray_adaspec_router_choices_total{mode="spec_aware"|"power_of_two"}`), tagged with
+the deployment routed to, as Serve's own router metrics are.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from controller.routing import (
     DEFAULT_OUTPUT_TOKENS, FIXED_STEP_SHARE, MAX_CANDIDATES, TIE_TOLERANCE, rank_replicas, sample_candidates,
 )
 from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
+from ray.util import metrics
 from serve_app.ray_llm import PowerOfTwoChoicesRequestRouter
 
 logger = logging.getLogger("ray.serve")
@@ -74,6 +77,12 @@ class SpecAwareRouter(PowerOfTwoChoicesRequestRouter):
         self._sent: dict[ReplicaID, deque[float]] = {}
         self._finished: dict[ReplicaID, deque[float]] = {}
         self._spec_aware: bool | None = None  # the mode of the last choice, to log changes only
+        self._choices = metrics.Counter(
+            "adaspec_router_choices", "replica choices made, by mode: spec_aware (ranked by predicted "
+            "completion time) or power_of_two (Serve's own, when the replicas' stats cannot tell)",
+            tag_keys=("application", "deployment", "mode"))
+        self._choices.set_default_tags({"application": self._deployment_id.app_name,
+                                        "deployment": self._deployment_id.name})
 
     # ------------------------------------------------------------------ routing
     def rank(self, candidate_replicas: list[RunningReplica],
@@ -99,6 +108,7 @@ class SpecAwareRouter(PowerOfTwoChoicesRequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         ranked = self.rank(candidate_replicas, pending_request) if candidate_replicas else None
         self._log_mode(ranked is not None)
+        self._choices.inc(1, tags={"mode": "spec_aware" if ranked is not None else "power_of_two"})
         if ranked is None:
             return await super().choose_replicas(candidate_replicas, pending_request)
         if pending_request is not None:

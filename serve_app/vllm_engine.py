@@ -2,7 +2,7 @@
 
 The engine core runs `serve_app.vllm_scheduler.AdaspecScheduler` (set by the app builder
 through `scheduler_cls`); this adapter reaches it with vLLM's utility-call mechanism, which
-the scheduler module explains.
+the scheduler module explains. vLLM's metrics carry Serve's tags (serve_app.metrics).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 from adaspec.engine_contract import EngineReport
 from adaspec.policy import PolicyAck, SpecPolicy
 from adaspec.telemetry import EngineCapabilities
+from serve_app.metrics import ServeTaggedStatLogger
 from serve_app.ray_llm import VLLMEngine
 
 SCHEDULER_CLS = "serve_app.vllm_scheduler.AdaspecScheduler"
@@ -17,6 +18,20 @@ SCHEDULER_CLS = "serve_app.vllm_scheduler.AdaspecScheduler"
 
 class AdaspecVLLMEngine(VLLMEngine):
     """VLLMEngine whose scheduler accepts policies and reports every step."""
+
+    def _start_async_llm_engine(self, *args, **kwargs):
+        """Ray Serve LLM's engine start, with vLLM's metrics tagged by Serve: Ray's code imports
+        vLLM's `RayPrometheusStatLogger` by name when it builds the engine, so for that call
+        the name is its subclass `ServeTaggedStatLogger` (the same series, plus deployment,
+        application and replica)."""
+        from vllm.v1.metrics import ray_wrappers
+
+        original = ray_wrappers.RayPrometheusStatLogger
+        ray_wrappers.RayPrometheusStatLogger = ServeTaggedStatLogger
+        try:
+            return super()._start_async_llm_engine(*args, **kwargs)
+        finally:
+            ray_wrappers.RayPrometheusStatLogger = original
 
     async def _call_scheduler(self, command: str, payload: str = "") -> str:
         if self._engine_client is None:

@@ -91,7 +91,7 @@ class AdaspecMixin:
         # vLLM speculates in chains only, up to the k it was started with.
         capabilities = EngineCapabilities(engine="vllm", max_batch_size=self.scheduler_config.max_num_seqs,
                                           max_k=self.num_spec_tokens, supports_trees=False,
-                                          draft_method=spec.method)
+                                          draft_method=spec.method, accelerator=self._accelerator())
         self._slot = PolicySlot(capabilities, self._start_policy(spec.num_speculative_tokens_per_batch_size))
         self.dynamic_sd_lookup = [c.depth for c in self._slot.table]
         # id(scheduler_output) -> (schedule() start, its record, its output): up to two steps in
@@ -104,6 +104,13 @@ class AdaspecMixin:
         self._lifetimes = RequestLifetimes()
         self._shadow = NgramShadow.for_vllm(self.vllm_config)  # None unless the drafter is method: ngram
         self._overhead_s = 0.0  # seconds in this class's own code since the last step record
+
+    def _accelerator(self) -> str:
+        """vLLM's name of the device ('cpu' on CPU), with the tensor-parallel device count."""
+        from vllm.platforms import current_platform
+
+        tp = self.vllm_config.parallel_config.tensor_parallel_size
+        return current_platform.get_device_name() + (f" x{tp}" if tp > 1 else "")
 
     def _start_policy(self, vllm_table: list) -> SpecPolicy:
         """The configured start policy (START_POLICY_ENV), in the form vLLM's table would give it

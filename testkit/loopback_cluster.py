@@ -119,6 +119,14 @@ class LoopbackCluster:
         except (ValueError, IndexError):
             return 0
 
+    def metrics_targets(self) -> list[str]:
+        """host:port of every live node's metrics export port (what Prometheus scrapes; Ray
+        writes the same list to its session's prom_metrics_service_discovery.json)."""
+        out = self.run_driver("for n in ray.nodes():\n"
+                              "    if n['Alive']:\n"
+                              "        print('target', f\"{n['NodeManagerAddress']}:{n['MetricsExportPort']}\")")
+        return [line.split()[1] for line in out.splitlines() if line.startswith("target ")]
+
     def run_driver(self, script: str, cwd: Path | None = None) -> str:
         """Run `script` in a short-lived driver of its own, joined to this cluster (so the
         caller may be connected to another cluster, or to none); returns what it printed."""

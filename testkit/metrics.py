@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import httpx
 
@@ -13,6 +14,8 @@ from testkit.clients import replica_steps
 from testkit.prompts import PROMPTS
 from testkit.serve_process import ServeProcess
 from testkit.waits import wait_until
+
+T = TypeVar("T")
 
 
 def counter_sum(metrics: str, name: str) -> float:
@@ -30,18 +33,28 @@ def per_pos_counter(metrics: str, name: str) -> dict[int, float]:
     return out
 
 
-def settled_counter(server: ServeProcess, name: str, quiet_s: float = 12.0) -> dict[int, float]:
-    """The counter once it has not moved for `quiet_s`: longer than Ray's metrics export
-    period (10 s by default), so no increment of an earlier test is still on its way."""
-    seen = {"value": per_pos_counter(server.metrics_text(), name), "since": time.monotonic()}
+def settled(server: ServeProcess, read: Callable[[str], T], what: str, quiet_s: float = 12.0) -> T:
+    """`read(metrics text)` once it has not changed for `quiet_s`: longer than Ray's metrics
+    export period (10 s by default), so no increment of an earlier test is still on its way."""
+    seen = {"value": read(server.metrics_text()), "since": time.monotonic()}
 
-    def quiet() -> tuple[dict[int, float]] | None:  # a tuple: an empty counter (none exported yet) is an answer
-        now = per_pos_counter(server.metrics_text(), name)
+    def quiet() -> tuple[T] | None:  # a tuple: an empty reading (none exported yet) is an answer
+        now = read(server.metrics_text())
         if now != seen["value"]:
             seen.update(value=now, since=time.monotonic())
         return (now,) if time.monotonic() - seen["since"] >= quiet_s else None
 
-    return wait_until(quiet, f"{name} still for {quiet_s:.0f} s", interval_s=1.0)[0]
+    return wait_until(quiet, f"{what} still for {quiet_s:.0f} s", interval_s=1.0)[0]
+
+
+def settled_counter(server: ServeProcess, name: str, quiet_s: float = 12.0) -> dict[int, float]:
+    """A per-position counter once it has stopped moving (`settled`)."""
+    return settled(server, lambda text: per_pos_counter(text, name), name, quiet_s)
+
+
+def counter_sums(metrics: str, names: list[str]) -> dict[str, float]:
+    """counter_sum of each name."""
+    return {name: counter_sum(metrics, name) for name in names}
 
 
 def check_acceptance_agrees_with_vllm(server: ServeProcess, client: httpx.Client, send: Callable[[str], object]

@@ -21,6 +21,7 @@ from serve_app import admin_client
 from testkit.apps import app_on_cluster, check_replicas_on_own_nodes_serve_and_get_policies
 from testkit.clients import MODEL, ClosedLoopClients, complete_text
 from testkit.loopback_cluster import LoopbackCluster, NodeSpec
+from testkit.prometheus import dashboard_queries, prometheus_server, query, targets_up
 from testkit.serve_process import REPO, ServeProcess
 from testkit.waits import wait_until
 
@@ -181,6 +182,34 @@ def test_router_sends_requests_to_the_replica_that_speculates_well(app):
     print(f"\n[cluster] lone requests by replica: {landed} (off: {slow}, chain4: {fast})")
     assert sum(landed.values()) == 12, landed
     assert landed[fast] >= 9, landed
+
+
+def test_every_dashboard_query_answers_from_prometheus_scraping_both_nodes(cluster, app, tmp_path):
+    """cluster/grafana/adaspec-dashboard.json against a real Prometheus scraping the two nodes'
+    metrics export ports while the app serves: every query of every panel returns series (the
+    native replicas' vLLM-named serving and spec-decode series, adaspec's k and policy
+    version, the controller's and the router's), and the vLLM-named series carry Serve's tags."""
+    targets = cluster.metrics_targets()
+    assert len(targets) == 2, targets
+    queries = dashboard_queries()
+    answered: dict[str, int] = {}
+    with prometheus_server(targets, tmp_path) as prom, concurrent.futures.ThreadPoolExecutor(4) as pool:
+        wait_until(lambda: list(targets_up(prom).values()) == ["up", "up"], "Prometheus scraping both nodes", 60)
+
+        def all_answered() -> bool | None:
+            list(pool.map(lambda i: _complete(f"{REPETITIVE} {i}", 32), range(8)))  # both replicas draft
+            for name, expr in queries.items():
+                if name not in answered and (series := query(prom, expr)):
+                    answered[name] = len(series)
+            missing = [name for name in queries if name not in answered]
+            return True if not missing else print(f"queries with no series yet: {missing}")
+
+        # Ray's agents export every 10 s; a rate needs two scrapes of a changed value.
+        wait_until(all_answered, "every dashboard query answering", 180, interval_s=0)
+        tagged = query(prom, 'ray_vllm_spec_decode_num_drafts_total{model_name!="", deployment!="", '
+                             'application!="", replica!=""}')
+    assert tagged, "vLLM-named spec-decode counters without Serve's tags"
+    print(f"\n[cluster] {len(queries)} dashboard queries answered; series per query: {answered}")
 
 
 def _node_names() -> dict[str, str]:

@@ -26,7 +26,9 @@ from controller.config import ControllerConfig
 from controller.core import ControllerCore
 from controller.simulate import engine_from_checkpoint
 from controller.state import Deployment, Replica
-from testkit.simulated_replica import SimulatedReplica
+from testkit.simulated_replica import CAPS, SimulatedReplica
+
+KEY = CAPS.deployment_key("m")  # the simulated replicas' deployment in the controller
 
 CONFIG = ControllerConfig(enabled=True, half_life_s=5.0)
 # Features (batch, tokens per sequence, draft passes, context tokens, prefill tokens) around
@@ -41,7 +43,7 @@ def fitted():
     with XGBoost."""
     core = ControllerCore(CONFIG)
     t = SimulatedReplica("r1", alpha=0.6).run(core, 0.0, periods=20, batch=4, arrivals=3)
-    dep = core.deployments["m"]
+    dep = core.deployments[KEY]
     assert len(dep.step_model.y) >= dep.step_model.min_samples_xgb
     assert dep.step_model.report.kind == "xgboost" and dep.step_model.booster is not None
     return core, t
@@ -58,7 +60,7 @@ def test_restored_controller_predicts_and_decides_alike(fitted):
     core, t = fitted
     restored = _restored(core)
     assert restored.restored
-    old_model, new_model = core.deployments["m"].step_model, restored.deployments["m"].step_model
+    old_model, new_model = core.deployments[KEY].step_model, restored.deployments[KEY].step_model
     assert new_model.booster is not None and new_model.booster is not old_model.booster
     np.testing.assert_allclose(new_model.predict(GRID), old_model.predict(GRID), rtol=1e-12)
     assert new_model.report == old_model.report
@@ -67,7 +69,7 @@ def test_restored_controller_predicts_and_decides_alike(fitted):
     np.testing.assert_array_equal(new_rep.acceptance.reached, old_rep.acceptance.reached)
     np.testing.assert_array_equal(new_rep.acceptance.conditional_rates(), old_rep.acceptance.conditional_rates())
     assert new_rep.policy_in_force == old_rep.policy_in_force
-    assert restored.deployments["m"].seen == core.deployments["m"].seen
+    assert restored.deployments[KEY].seen == core.deployments[KEY].seen
 
     before, after = core.view(now=t).replicas[0], restored.view(now=t).replicas[0]
     for field in ("arrival_rate", "mean_batch", "output_tokens", "expected_length", "measured_step_s",
@@ -92,10 +94,10 @@ def test_checkpoint_is_versioned_json(fitted, tmp_path):
     path = tmp_path / CHECKPOINT_FILE
     write_checkpoint(path, core.state())
     data = json.loads(path.read_text())  # JSON all through: no pickle inside
-    assert data["format_version"] == 1
-    booster = data["deployments"]["m"]["step_model"]["booster"]
+    assert data["format_version"] == 2
+    booster = data["deployments"][KEY]["step_model"]["booster"]
     assert isinstance(booster, str) and json.loads(booster)["learner"]  # XGBoost's own JSON model
-    seen = data["deployments"]["m"]["seen"]
+    seen = data["deployments"][KEY]["seen"]
     assert {"batch_lo": 3, "config": "chain2"} in [{k: s[k] for k in ("batch_lo", "config")} for s in seen]
     assert not list(tmp_path.glob("*.tmp-*"))  # written atomically, nothing left over
 
@@ -106,11 +108,11 @@ def test_checkpoint_is_versioned_json(fitted, tmp_path):
 def _bad_files(fitted) -> dict[str, tuple[bytes, str]]:
     core, _ = fitted
     text = core.state().model_dump_json()
-    newer = json.loads(text) | {"format_version": 2}
+    newer = json.loads(text) | {"format_version": 3}
     return {
         "not json": (b"{not json", "Invalid JSON"),
         "truncated": (text[: len(text) // 2].encode(), "Invalid JSON"),
-        "newer version": (json.dumps(newer).encode(), "format_version 2; this controller reads format_version 1"),
+        "newer version": (json.dumps(newer).encode(), "format_version 3; this controller reads format_version 2"),
         "wrong shape": (text.replace('"paused":', '"halted":').encode(), "not a controller checkpoint"),
     }
 
@@ -152,13 +154,14 @@ def _named_as_before():
 
 def _old_pickle(core: ControllerCore) -> bytes:
     """The pickle an earlier version wrote: ControllerCore.state() returned this dict of the
-    private dataclasses, and pickled as the version before the latency fits, without the
-    fields added since."""
+    private dataclasses, deployments keyed by model id, and pickled as the version before the
+    latency fits, without the fields added since."""
     with _named_as_before():
-        state = pickle.loads(pickle.dumps({"replicas": core.replicas, "deployments": core.deployments,
+        state = pickle.loads(pickle.dumps({"replicas": core.replicas, "deployments": {"m": core.deployments[KEY]},
                                            "paused": core.paused, "decisions": core.decisions,
                                            "pushed": core.pushed}))
         del state["deployments"]["m"].__dict__["requests"]
+        del state["deployments"]["m"].__dict__["model_id"]
         del state["replicas"]["r1"].__dict__["latency_sum"]
         data = pickle.dumps(state)
     assert b"controller.core" in data and b"_Replica" in data and b"controller.state" not in data
@@ -175,12 +178,12 @@ def test_old_pickle_is_converted_once(fitted, tmp_path, caplog):
     assert not legacy.exists() and (tmp_path / f"{LEGACY_FILE}.converted").is_file()
     assert "converted" in caplog.text and str(legacy) in caplog.text
     converted = (tmp_path / CHECKPOINT_FILE).read_bytes()
-    assert json.loads(converted)["format_version"] == 1
-    np.testing.assert_allclose(first.deployments["m"].step_model.predict(GRID),
-                               core.deployments["m"].step_model.predict(GRID), rtol=1e-12)
+    assert json.loads(converted)["format_version"] == 2
+    np.testing.assert_allclose(first.deployments[KEY].step_model.predict(GRID),
+                               core.deployments[KEY].step_model.predict(GRID), rtol=1e-12)
     assert first.replicas["r1"].policy_in_force == core.replicas["r1"].policy_in_force
     # The fields the old pickle lacked start from their defaults.
-    assert first.deployments["m"].requests == {} and first.replicas["r1"].latency_sum == 0.0
+    assert first.deployments[KEY].requests == {} and first.replicas["r1"].latency_sum == 0.0
 
     # A second start reads the JSON and leaves it as it was.
     second = ControllerCore(CONFIG)

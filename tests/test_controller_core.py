@@ -17,6 +17,8 @@ from controller.config import ControllerConfig
 from controller.core import EXPLORE_STEPS, ControllerCore
 from testkit.simulated_replica import CAPS, INFO, SimulatedReplica, synthetic_step_time
 
+KEY = CAPS.deployment_key("m")  # the simulated replicas' deployment in the controller
+
 
 def json_round_trip(core: ControllerCore) -> ControllerCheckpoint:
     """The core's checkpoint, written as JSON and read back (as a restarted controller does)."""
@@ -97,7 +99,7 @@ def test_a_joining_replica_starts_from_its_deployments_acceptance():
     assert {r.replica_id: r.started_warm for r in warm.view(now=t + 1.0).replicas} == {"r1": False, "r2": True}
     cold = ControllerCore(config)
     # The same step-time model learned, but no acceptance.
-    cold.deployments = {"m": dataclasses.replace(warm.deployments["m"], acceptance=AcceptanceModel(half_life_s=5.0))}
+    cold.deployments = {KEY: dataclasses.replace(warm.deployments[KEY], acceptance=AcceptanceModel(half_life_s=5.0))}
     assert first_policy(cold).config_for(1).depth < learned
     view = warm.view(now=t + 1.0).deployment("m")
     assert view.replicas == 2 and view.nodes == 1 and view.conditional_acceptance[0] > 0.8
@@ -139,8 +141,8 @@ def test_checkpoint_restores_models_and_policies():
     assert after.replicas[0].policy_in_force == before.replicas[0].policy_in_force
     assert after.replicas[0].conditional_acceptance == before.replicas[0].conditional_acceptance
     rows = [[4.0, 3.0, 2.0, 1200.0, 0.0], [32.0, 1.0, 0.0, 9600.0, 0.0]]
-    assert np.allclose(restored.deployments["m"].step_model.predict(rows),
-                       core.deployments["m"].step_model.predict(rows))
+    assert np.allclose(restored.deployments[KEY].step_model.predict(rows),
+                       core.deployments[KEY].step_model.predict(rows))
     # The restored controller keeps deciding from where it stopped.
     assert restored.decide("r1", now=t + 1.0).policy.config_for(4) == SpecConfig.parse(
         str(core.decide("r1", now=t + 1.0).policy.config_for(4)))
@@ -388,7 +390,7 @@ def test_the_default_model_starts_from_its_shipped_profile_on_vllm_only():
         core.report(ReplicaTelemetry(replica_id="r", model_id="smollm2-135m-instruct", info=info, window_start=0.0,
                                      window_end=1.0, arrivals=0, finished=0, queue_length=0, running=0,
                                      policy=SpecPolicy.parse("chain2"), steps=[]), now=1.0)
-        return core.deployments["smollm2-135m-instruct"]
+        return core.deployments[caps.deployment_key("smollm2-135m-instruct")]
 
     shipped = deployment("vllm")
     assert len(shipped.step_model.y) > 1000  # bench/results/profile-cpu-realistic/steps.jsonl
@@ -420,7 +422,7 @@ def test_a_tree_engine_gets_trees_from_its_measured_acceptance_not_a_fixed_list(
         core.report(ReplicaTelemetry(replica_id="n1", model_id="m", info=info, window_start=1000.0 + i,
                                      window_end=1001.0 + i, arrivals=1, finished=1, queue_length=0, running=10,
                                      policy=SpecPolicy.parse("tree2x1"), steps=steps), now=1001.0 + i)
-    dep = core.deployments["m"]
+    dep = core.deployments[caps.deployment_key("m")]
     built = live_tree_configs(dep.acceptance.marginal_rates(), 4, 64)
     assert built and {c.widths for c in built} != {w for w in TREE_SHAPES if len(w) <= 4}
     assert all(c.widths[0] >= 2 for c in built)
@@ -471,4 +473,27 @@ def test_per_request_budgets_are_chosen_by_measurement(auto_gain, wins):
     else:
         assert on_auto <= 0.2 * len(late), [str(p) for p in late]
     # Budget steps never reach the acceptance model (their nodes were picked for looking likely).
-    assert core.deployments["m"].acceptance.observed_drafts() > 0
+    assert core.deployments[core.replicas["n1"].deployment].acceptance.observed_drafts() > 0
+
+
+def test_one_model_on_two_engines_or_accelerators_is_kept_as_separate_deployments():
+    """A step-time model and pooled acceptance per model, engine and accelerator: a native
+    and a vLLM replica of one model, or one model on two kinds of GPU, step at different
+    speeds (issue 52)."""
+    model = "smollm2-135m-instruct"  # the embedded model: adaspec ships its step profile on vLLM, CPU
+    core = ControllerCore(ControllerConfig(enabled=True))
+    variants = {"vllm-cpu": CAPS, "native-cpu": CAPS.model_copy(update={"engine": "native", "supports_trees": True}),
+                "vllm-h100": CAPS.model_copy(update={"accelerator": "NVIDIA H100 80GB HBM3 x2"})}
+    for rid, caps in variants.items():
+        core.report(ReplicaTelemetry(replica_id=rid, model_id=model, info=INFO.model_copy(update={"capabilities": caps}),
+                                     window_start=0.0, window_end=1.0, arrivals=0, finished=0, queue_length=0,
+                                     running=0, policy=SpecPolicy.parse("chain2"), steps=[]), now=1.0)
+    keys = {caps.deployment_key(model) for caps in variants.values()}
+    assert set(core.deployments) == keys and len(keys) == 3
+    view = core.view(now=1.0).of_model(model)
+    assert {d.key for d in view.deployments} == keys and {d.model_id for d in view.deployments} == {model}
+    assert all(d.replicas == 1 for d in view.deployments)
+    # The shipped profile of the model on vLLM seeds its vLLM deployment on a CPU only (it was
+    # measured on one), not the same engine on a GPU.
+    assert core.deployments[variants["vllm-cpu"].deployment_key(model)].step_model.y
+    assert not core.deployments[variants["vllm-h100"].deployment_key(model)].step_model.y

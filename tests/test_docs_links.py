@@ -7,7 +7,8 @@
   exists, and code cites docs pages by their path, not by a bare file name.
 - No file mentions the development machine's shared folder, which users do not have.
 - README.md stays a front door: at most 250 lines.
-- docs/configuration.md's field reference is what scripts/gen_config_docs.py writes now.
+- docs/configuration.md's field reference is what scripts/gen_config_docs.py writes now, and
+  cluster/grafana/adaspec-dashboard.json what scripts/gen_dashboard.py writes.
 
 Each check collects `file:line: problem` lines, so a failure names every offender. The
 `*_finds_*` tests feed each checker a broken sample, so every check is known to be able
@@ -178,8 +179,8 @@ def is_code(path: Path) -> bool:
     return path.suffix in CODE_SUFFIXES or path.name in CODE_NAMES
 
 
-def load_generator():
-    spec = importlib.util.spec_from_file_location("gen_config_docs", REPO / "scripts" / "gen_config_docs.py")
+def load_generator(name: str = "gen_config_docs"):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -238,6 +239,11 @@ def test_configuration_reference_is_generated():
             f"serve_app/config.py; run `python scripts/gen_config_docs.py`\n"
             f"  page: {have[first] if first < len(have) else '<end>'}\n"
             f"  code: {want[first] if first < len(want) else '<end>'}")
+
+
+def test_the_grafana_dashboard_is_generated():
+    gen = load_generator("gen_dashboard")
+    assert gen.DASHBOARD.read_text() == gen.render(), "run python scripts/gen_dashboard.py"
 
 
 def test_every_config_field_is_described():

@@ -226,10 +226,17 @@ def test_prometheus_exports_adaspec_metrics(server, client):
 
     text = wait_until(exported_k3, "ray_adaspec_spec_k exported as 3 (Ray exports metrics periodically)")
     assert re.search(r"^ray_adaspec_step_seconds_count{[^}]*} [1-9]", text, re.M)
-    assert "ray_adaspec_mean_accepted_length" in text
-    assert "ray_adaspec_acceptance_rate" in text
-    # MODEL label present, so dashboards can split by model.
-    assert f'model="{MODEL}"' in text
+    # k is exported at every batch size up to the engine's max batch, each 3 under chain3.
+    ks = {m.group(1): float(m.group(2)) for m in re.finditer(r'^ray_adaspec_spec_k{[^}]*batch="(\d+)"[^}]*} (\S+)$',
+                                                              text, re.M)}
+    assert ks and set(ks.values()) == {3.0} and "1" in ks, ks
+    # Labelled as vLLM labels its series (model_name), with Serve's tags, so one dashboard
+    # splits by model and deployment; vLLM's own series carry Serve's tags too.
+    assert re.search(rf'^ray_adaspec_policy_version{{[^}}]*model_name="{MODEL}"[^}}]*}}', text, re.M)
+    drafts = re.search(r"^ray_vllm_spec_decode_num_drafts_total{([^}]*)}", text, re.M)
+    assert drafts, "vLLM's spec-decode counter not exported"
+    for tag in ("deployment", "application", "replica", "model_name"):
+        assert re.search(rf'\b{tag}="[^"]+"', drafts.group(1)), (tag, drafts.group(1))
 
 
 # adaspec's own work in the engine core (its scheduler hooks: step records, shadow drafting;

@@ -166,6 +166,18 @@ def test_every_pod_starts_ray_with_its_workers_at_normal_priority(path):
             assert {k: env.get(k) for k in RAY_ENV} == RAY_ENV, (path.name, container["name"])
 
 
+@pytest.mark.parametrize("path", MANIFESTS, ids=[p.name for p in MANIFESTS])
+def test_every_pod_declares_the_metrics_port_prometheus_scrapes(path):
+    """Ray's metrics agent on each pod (adaspec's, vLLM's and Serve's series; the dashboard in
+    cluster/grafana/) exports on `metrics-export-port`, declared as the container port `metrics`
+    that a PodMonitor selects."""
+    for group in _groups(_rayservice(path)):
+        port = int(group["rayStartParams"]["metrics-export-port"])
+        (container,) = group["template"]["spec"]["containers"]
+        assert {p["name"]: p["containerPort"] for p in container.get("ports", [])}.get("metrics") == port, \
+            (path.name, group.get("groupName", "head"))
+
+
 def _pod_ray_resources(group: dict) -> dict[str, float]:
     """What Ray declares on one pod of a group: rayStartParams, else (as KubeRay does) the
     container's limits."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -26,6 +27,7 @@ from controller.policy_search import TREE_SHAPES
 from native_engine.requests import SamplingParams
 from testkit.apps import app_in_own_cluster
 from testkit.clients import MODEL, replica_status, set_controller
+from testkit.metrics import counter_sums, settled
 from testkit.waits import wait_until
 
 pytestmark = pytest.mark.slow
@@ -148,6 +150,46 @@ def test_seeded_sampling_repeats(client):
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0.9, "seed": 7}
     first = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
     assert client.post("/v1/completions", json=body).json()["choices"][0]["text"] == first
+
+
+# vLLM's serving series, as the native replica exports them (serve_app/metrics.py), and what
+# each must have counted for the requests sent.
+NATIVE_COUNTERS = ["ray_vllm_e2e_request_latency_seconds_count", "ray_vllm_time_to_first_token_seconds_count",
+                   "ray_vllm_request_time_per_output_token_seconds_count", "ray_vllm_prompt_tokens_total",
+                   "ray_vllm_generation_tokens_total", "ray_vllm_spec_decode_num_drafts_total",
+                   "ray_vllm_spec_decode_num_draft_tokens_total", "ray_vllm_spec_decode_num_accepted_tokens_total"]
+
+
+def test_the_replica_exports_vllms_serving_and_spec_decode_metrics_counting_what_it_served(tree_server, client):
+    """Under vLLM's names (one dashboard for both engines): per request one e2e latency, one
+    TTFT and one TPOT sample, its prompt and output tokens; per step the drafts, draft tokens
+    (a tree's nodes) and accepted tokens the replica's telemetry counted."""
+    before = settled(tree_server, lambda text: counter_sums(text, NATIVE_COUNTERS), "the native replica's counters")
+    since = time.time()
+    usages = [client.post("/v1/completions", json={"model": MODEL, "prompt": f"{REPETITIVE}, {i}", "max_tokens": 16,
+                                                   "temperature": 0, "ignore_eos": True}).json()["usage"]
+              for i in range(4)]
+    steps = [s for s in _status(client)["steps"] if s["time"] > since]
+    expected = {
+        "ray_vllm_e2e_request_latency_seconds_count": 4, "ray_vllm_time_to_first_token_seconds_count": 4,
+        "ray_vllm_request_time_per_output_token_seconds_count": 4,
+        "ray_vllm_prompt_tokens_total": sum(u["prompt_tokens"] for u in usages),
+        "ray_vllm_generation_tokens_total": sum(u["completion_tokens"] for u in usages),
+        "ray_vllm_spec_decode_num_drafts_total": sum(s["num_drafts"] for s in steps),
+        "ray_vllm_spec_decode_num_draft_tokens_total": sum(sum(s["nodes_per_seq"]) for s in steps),
+        "ray_vllm_spec_decode_num_accepted_tokens_total": sum(sum(s["accepted_per_pos"]) for s in steps),
+    }
+    assert expected["ray_vllm_spec_decode_num_accepted_tokens_total"] > 0, "nothing accepted: the check would be empty"
+
+    def deltas() -> dict[str, float]:
+        now = counter_sums(tree_server.metrics_text(), NATIVE_COUNTERS)
+        return {name: now[name] - before[name] for name in NATIVE_COUNTERS}
+
+    # Ray exports every 10 s: wait for the last counter to catch up, then all must match.
+    wait_until(lambda: all(deltas()[n] >= v for n, v in expected.items()), "the counters catching up", 60)
+    assert deltas() == pytest.approx(expected), (deltas(), expected)
+    running = re.search(r'^ray_vllm_num_requests_running{([^}]*)} (\S+)$', tree_server.metrics_text(), re.M)
+    assert running and 'deployment="' in running.group(1) and f'model_name="{MODEL}"' in running.group(1), running
 
 
 @pytest.mark.parametrize("body,status", [

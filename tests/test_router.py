@@ -205,7 +205,7 @@ def test_replica_reports_its_routing_stats_beside_ray_llms():
     replica._settings = ReplicaSettings()
     replica._steps, replica._requests, replica._arrivals, replica._finishes = deque(), deque(), deque(), deque()
     replica._report = None
-    replica._metrics = SimpleNamespace(observe=lambda report, batch: None)
+    replica._metrics = SimpleNamespace(observe=lambda report: None)
     caps = EngineCapabilities(engine="vllm", max_batch_size=16, max_k=4, supports_trees=False, draft_method="ngram")
     replica._info = ReplicaInfo(capabilities=caps, node_id="node-a", started_at=0.0)
     # The controller's last answer, for the policy in force (version 0).
