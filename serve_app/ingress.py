@@ -52,7 +52,7 @@ from serve_app.api_key import ApiKeyCheck
 from serve_app.config import AdminConfig, ApiKeySource
 from serve_app.ray_llm import (
     DEFAULT_ENDPOINTS, ChatCompletionRequest, CompletionRequest, ErrorInfo, ErrorResponse, OpenAIHTTPException,
-    OpenAiIngress, broadcast, new_ingress_app, serve_client,
+    OpenAiIngress, broadcast, get_base_model_id, new_ingress_app, serve_client,
 )
 from serve_app.request_checks import body_problem
 
@@ -280,9 +280,12 @@ class AdaspecIngress(OpenAiIngress):
         # Ray's ingress answers an unknown model with FastAPI's {"detail": ...}; clients of
         # the OpenAI API expect {"error": {...}}.
         if model is not None and model not in self._model_cards:
+            base = get_base_model_id(model)
+            why = (f": `{base}` is served without LoRA adapters (adaspec refuses lora_config)"
+                   if base != model and base in self._model_cards else "")
             raise OpenAIHTTPException(
                 status_code=status.HTTP_404_NOT_FOUND, type="NotFoundError",
-                message=f"The model `{model}` does not exist. Available: {sorted(self._model_cards)}")
+                message=f"The model `{model}` does not exist{why}. Available: {sorted(self._model_cards)}")
         return await super()._get_model_id(model)
 
     def _check_admin(self, request: Request) -> None:

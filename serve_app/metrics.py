@@ -179,7 +179,7 @@ class ReplicaMetrics:
             "adaspec_step_seconds", "engine step duration (seconds)",
             boundaries=[0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5], tag_keys=("model_name",))
         for m in (self.k_in_force, self.policy_version, self.step_time):
-            m.set_default_tags(tags)
+            m.set_default_tags(dict(tags))  # a copy each: Serve adds its own tags to the dict it gets
 
     def observe(self, report: EngineReport) -> None:
         for step in report.steps:

