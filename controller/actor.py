@@ -107,8 +107,7 @@ class ControllerActor:
         decisions = self.core.decisions
         reply = self.core.report(telemetry)
         try:
-            self.metrics.observe(self.core, telemetry.replica_id, self.core.decisions - decisions,
-                                 reply.policy is not None)
+            self.metrics.observe(self.core, telemetry, self.core.decisions - decisions, reply.policy is not None)
         except Exception:  # metrics never cost a replica its policy
             logger.exception("adaspec controller: exporting metrics failed")
         return reply

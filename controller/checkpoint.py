@@ -183,7 +183,7 @@ class DeploymentState(BaseModel):
     model_version: int  # fits installed so far
     samples_at_fit: int  # samples the step-time model had at its last fit
     requests: list[ConfigRequests]
-    model_id: str = ""
+    model_id: str  # the model its replicas serve (the key adds engine and accelerator)
 
 
 class ControllerCheckpoint(BaseModel):

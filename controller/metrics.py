@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ray.util import metrics
 
+from adaspec.telemetry import ReplicaTelemetry
 from controller.core import ControllerCore
 from controller.view import recent_step_seconds
 
@@ -36,8 +37,9 @@ class ControllerMetrics:
         # replica -> its safety_overrides already counted
         self._overrides_seen = {rid: rep.safety_overrides for rid, rep in core.replicas.items()}
 
-    def observe(self, core: ControllerCore, replica_id: str, decisions: int, pushed: bool) -> None:
-        """After `core` took a report of `replica_id`: `decisions` it made, whether it pushed a policy."""
+    def observe(self, core: ControllerCore, tel: ReplicaTelemetry, decisions: int, pushed: bool) -> None:
+        """After `core` took the report `tel`: `decisions` it made, whether it pushed a policy."""
+        replica_id = tel.replica_id
         rep = core.replicas.get(replica_id)
         if rep is None:  # asked for its info, report not taken
             return
@@ -55,6 +57,8 @@ class ControllerMetrics:
             self.safety_overrides.inc(new_overrides, tags=tags)
         self._overrides_seen[replica_id] = rep.safety_overrides
         self.exploration_share.set(rep.budget.share, tags=tags)
+        if not tel.steps:  # the recent steps are those of the last report: the gauges stand
+            return
         measured, predicted = recent_step_seconds(rep, core.deployments[rep.deployment])
         if measured is not None:
             self.step_seconds.set(measured, tags={**tags, "source": "measured"})

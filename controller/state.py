@@ -182,7 +182,7 @@ class Deployment:
     costs_version: int = -1
     samples_at_fit: int = 0
     requests: dict[SpecConfig, deque[RequestRecord]] = field(default_factory=dict)  # config -> recent finished
-    model_id: str = ""  # the model it serves ("" in checkpoints of before format_version 2)
+    model_id: str = ""  # the model it serves (set by first_report and restore)
 
     @classmethod
     def first_report(cls, model_id: str, profile_path: str | None, half_life_s: float,

@@ -28,7 +28,6 @@ from vllm.v1.metrics.ray_wrappers import (
 from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
 from adaspec.engine_contract import EngineReport
-from adaspec.policy import SpecPolicy
 from adaspec.telemetry import StepRecord
 
 SERVE_TAG_KEYS = ("deployment", "application", "replica")
@@ -180,13 +179,14 @@ class ReplicaMetrics:
             boundaries=[0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5], tag_keys=("model_name",))
         for m in (self.k_in_force, self.policy_version, self.step_time):
             m.set_default_tags(dict(tags))  # a copy each: Serve adds its own tags to the dict it gets
+        self._version: int | None = None  # the policy version the gauges show
 
     def observe(self, report: EngineReport) -> None:
+        """A drain of the engine (every poll): its steps, and the policy's gauges when it changed."""
         for step in report.steps:
             self.step_time.observe(step.duration_s)
-        self.set_policy(report.policy)
-
-    def set_policy(self, policy: SpecPolicy) -> None:
-        for batch in self.batch_points:
-            self.k_in_force.set(policy.config_for(batch).depth, tags={"batch": str(batch)})
-        self.policy_version.set(policy.version)
+        if report.policy.version != self._version:
+            for batch in self.batch_points:
+                self.k_in_force.set(report.policy.config_for(batch).depth, tags={"batch": str(batch)})
+            self.policy_version.set(report.policy.version)
+            self._version = report.policy.version
